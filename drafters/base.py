@@ -1,0 +1,110 @@
+"""The drafter interface, its registry, and the teacher signal every drafter trains on."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from drafters.errors import UserError
+from drafters.target import Target, TargetSpec
+from drafters.vocab import DraftVocab
+
+REGISTRY: dict[str, type["Drafter"]] = {}
+
+
+def register(name: str):
+    """Class decorator: `@register("eagle3")` makes the drafter reachable as `drafter=eagle3`."""
+
+    def add(cls):
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def drafter_class(name: str) -> type["Drafter"]:
+    # Importing every module of the package runs their @register decorators.
+    for module in pkgutil.iter_modules(importlib.import_module("drafters").__path__):
+        importlib.import_module(f"drafters.{module.name}")
+    if name not in REGISTRY:
+        raise UserError(f"unknown drafter '{name}' (available: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[name]
+
+
+@dataclass
+class Captured:
+    """What the frozen target says about a batch, restricted to what drafters learn from."""
+
+    aux: list[torch.Tensor]  # hidden states entering the drafter's capture layers, each [B, T, H]
+    final: torch.Tensor  # final normed hidden state [B, T, H]
+    teacher_logits: torch.Tensor  # target logits over the draft vocabulary [B, T, V_draft]
+    in_vocab: torch.Tensor  # [B, T] bool: the target's greedy token at t is in the draft vocabulary
+    teacher_token: torch.Tensor  # [B, T] the target's greedy token at t, as a draft id (0 where not in vocab)
+
+
+@torch.no_grad()
+def capture(target: Target, vocab: DraftVocab, batch: dict, layers: list[int]) -> Captured:
+    aux, final = target.capture(batch["input_ids"], batch["attention_mask"], layers)
+    draft_ids = vocab.draft_ids.to(final.device)
+    greedy = target.argmax(final)
+    t2d = vocab.t2d.to(final.device)
+    # target id -> draft id: the count of draft tokens below it (draft ids are sorted by target id)
+    to_draft = torch.cumsum(t2d.long(), 0) - 1
+    return Captured(
+        aux=aux,
+        final=final,
+        teacher_logits=target.logits(final, draft_ids),
+        in_vocab=t2d[greedy],
+        teacher_token=torch.where(t2d[greedy], to_draft[greedy], 0),
+    )
+
+
+class Drafter(nn.Module):
+    """A draft head. Subclasses live in one file each and register themselves."""
+
+    name: str = ""
+
+    def __init__(self, cfg: DictConfig, spec: TargetSpec, vocab: DraftVocab):
+        super().__init__()
+        self.cfg, self.spec, self.vocab = cfg, spec, vocab
+
+    def capture_layers(self) -> list[int]:
+        """Target layers (DESIGN.md convention: input of layer k) this drafter conditions on."""
+        raise NotImplementedError
+
+    def init_from_target(self, target: Target) -> None:
+        """Copy (frozen) weights the drafter shares with its target, e.g. the token embedding."""
+
+    def loss(self, batch: dict, captured: Captured) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training loss and metrics (`acc/k` for k = 1..K, top-1 agreement with the target)."""
+        raise NotImplementedError
+
+    def forward(self, batch: dict, captured: Captured):
+        # DDP/DeepSpeed wrap `forward`, so training calls the module, not `.loss` directly
+        return self.loss(batch, captured)
+
+    def hparams(self) -> dict:
+        """What rebuilds this drafter: stored in checkpoints and artifacts."""
+        raise NotImplementedError
+
+
+def build_drafter(cfg: DictConfig, target: Target, vocab: DraftVocab) -> Drafter:
+    drafter = drafter_class(cfg.name)(cfg, target.spec, vocab)
+    target.check_layers(drafter.capture_layers())
+    drafter.init_from_target(target)
+    return drafter
+
+
+def sim_accept_len(acc: list[float]) -> float:
+    """Expected accepted tokens per target forward for a chain: 1 (bonus) + sum_k prod_{i<=k} acc_i."""
+    total, prod = 1.0, 1.0
+    for a in acc:
+        prod *= a
+        total += prod
+    return total

@@ -1,0 +1,146 @@
+"""EAGLE-3 (Li et al., 2025): a one-layer draft head on fused low/mid/high target features.
+
+Layout and weight names follow the EAGLE-3 heads served by vLLM/speculators and SGLang:
+`fc` fuses the hidden states entering three target layers (3H -> H); the decoder layer attends
+over concat(norm(token embedding), norm(feature)) (2H wide) with a residual from the feature; a
+final norm and an lm_head over the draft vocabulary. Training unrolls K steps, each feeding the
+drafter's own output feature back in (training-time test), with loss weight decay^k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+from drafters.base import Captured, Drafter, register
+from drafters.layers import draft_layer_config, ttt_attention
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        width, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.heads, self.kv_heads = config.head_dim, heads, kv_heads
+        # inputs are [embedding ; feature], hence 2 x width
+        self.q_proj = nn.Linear(2 * width, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, width, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v as [B, heads, T, D] with RoPE applied and kv heads expanded."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        groups = self.heads // self.kv_heads
+        return q, repeat_kv(k, groups), repeat_kv(v, groups)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        batch, _, length, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Eagle3Layer(nn.Module):
+    """The draft decoder layer; `attend(q, k, v)` is TTT attention in training, cached at serving."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)  # on the embedding
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)  # on the feature
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds, feature, cos, sin, attend):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], -1)
+        h = feature + self.self_attn.output(attend(*self.self_attn.project(x, cos, sin)))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@register("eagle3")
+class Eagle3(Drafter):
+    def __init__(self, cfg, spec, vocab):
+        super().__init__(cfg, spec, vocab)
+        self.layer_config = draft_layer_config(spec)
+        width = spec.hidden_size
+        self.aux_layers = list(cfg.aux_layers) if cfg.get("aux_layers") else default_aux_layers(spec.num_layers)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, width).requires_grad_(False)
+        self.fc = nn.Linear(len(self.aux_layers) * width, width, bias=False)
+        self.midlayer = Eagle3Layer(self.layer_config)
+        self.norm = LlamaRMSNorm(width, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(width, vocab.draft_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(self.layer_config)
+        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
+        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
+
+    def capture_layers(self):
+        return self.aux_layers
+
+    def hparams(self):
+        return {
+            "aux_layers": self.aux_layers,
+            "ttt_steps": int(self.cfg.ttt_steps),
+            "loss_decay": float(self.cfg.loss_decay),
+            "draft_vocab_size": self.vocab.draft_size,
+            "layer_config": self.layer_config.to_dict(),
+        }
+
+    @torch.no_grad()
+    def init_from_target(self, target):
+        self.embed_tokens.weight.copy_(target.embed_weight.float())
+        if self.cfg.get("init_head_from_target", True):
+            # Warm start: the target's own final norm + lm_head rows of the draft vocabulary.
+            self.lm_head.weight.copy_(target.lm_head_weight[self.vocab.draft_ids].float())
+            self.norm.weight.copy_(target.model.model.norm.weight.float())
+
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat(aux, -1).to(self.fc.weight.dtype))
+
+    def loss(self, batch: dict, captured: Captured):
+        input_ids = batch["input_ids"]
+        length = input_ids.shape[1]
+        teacher = torch.softmax(captured.teacher_logits.float(), -1)
+        # position t's teacher predicts token t+1, which counts only if it is an assistant token
+        predicts = F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool() & captured.in_vocab
+        feature = self.fuse(captured.aux)
+        positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
+        keys, values = [], []
+        total, metrics = 0.0, {}
+        steps, decay = int(self.cfg.ttt_steps), float(self.cfg.loss_decay)
+        for k in range(steps):
+            # step k, position t: token t+1+k in, predicts token t+2+k (the teacher at t+1+k)
+            shift = 1 + k
+            tokens = F.pad(input_ids[:, shift:], (0, shift))
+            cos, sin = self.rotary(feature, positions + k)
+
+            def attend(q, key, value):
+                keys.append(key)
+                values.append(value)
+                return ttt_attention(q, keys, values)
+
+            feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
+            logits = self.lm_head(self.norm(feature)).float()
+            mask = F.pad(predicts[:, shift:], (0, shift)).float()
+            target = F.pad(teacher[:, shift:], (0, 0, 0, shift))
+            count = mask.sum().clamp(min=1)
+            step_loss = (-(target * torch.log_softmax(logits, -1)).sum(-1) * mask).sum() / count
+            total = total + decay**k * step_loss
+            hits = (logits.argmax(-1) == F.pad(captured.teacher_token[:, shift:], (0, shift))).float()
+            metrics[f"acc/{k + 1}"] = ((hits * mask).sum() / count).item()
+            metrics[f"loss/{k + 1}"] = step_loss.item()
+        return total, metrics
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high features: inputs of layers 2, N//2 and N-3."""
+    return [2, num_layers // 2, num_layers - 3]

@@ -1,0 +1,222 @@
+"""The frozen target model: loading (HF dir, hub id, GGUF file, embedded wheel, random init),
+its shape (`TargetSpec`) and hidden-state capture through forward hooks."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from drafters.errors import UserError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class TargetSpec:
+    """What a drafter needs to know about its target (and what an artifact records)."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    has_chat_template: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_path(cfg: DictConfig) -> str:
+    """The model directory: `path` as given, or the folder of an installed `package` (the wheels)."""
+    if cfg.get("package"):
+        found = importlib.util.find_spec(cfg.package)
+        if found is None:
+            raise UserError(f"target package '{cfg.package}' is not installed (pip install {cfg.get('pip', cfg.package)})")
+        return list(found.submodule_search_locations)[0]
+    if not cfg.get("path"):
+        raise UserError("target: set target.path (an HF model dir or hub id) or target.package")
+    return str(cfg.path)
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(path: str, gguf_file: str | None):
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def load_tokenizer(cfg: DictConfig):
+    return _load_tokenizer(resolve_path(cfg), cfg.get("gguf_file"))
+
+
+def _random_init(cfg: DictConfig, dtype: torch.dtype):
+    """A tiny random model of the given architecture (tests, smoke runs); seeded, so reproducible."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = OmegaConf.to_container(cfg.random_init, resolve=True)
+    model_type = overrides.pop("model_type")
+    seed = overrides.pop("seed", 0)
+    config = AutoConfig.for_model(model_type, **overrides)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype)
+
+
+def _load_pretrained(path: str, gguf_file: str | None, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    where = os.path.join(path, gguf_file) if gguf_file else path
+    if os.path.isabs(path) or path.startswith("."):
+        if not os.path.exists(where):
+            raise UserError(f"target not found: {where}")
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as error:
+        raise UserError(f"target {where} is not a loadable HF model ({str(error).splitlines()[0]})") from None
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except ValueError as error:
+        if "Unrecognized configuration class" in str(error):
+            raise UserError(f"target {where} is not a causal LM (model_type '{config.model_type}')") from None
+        raise
+
+
+class Target:
+    """A frozen causal LM plus the hooks that read its hidden states.
+
+    Layer ids follow DESIGN.md: layer k means "the input of decoder layer k" (= HF
+    `hidden_states[k]`); k == num_layers is the output of the last layer before the final norm.
+    """
+
+    def __init__(self, model, tokenizer, name: str, fingerprint: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.fingerprint = fingerprint
+        config = model.config
+        text = getattr(config, "text_config", None) or config
+        heads = text.num_attention_heads
+        rope = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+        self.spec = TargetSpec(
+            name=name,
+            model_type=text.model_type,
+            hidden_size=text.hidden_size,
+            num_layers=text.num_hidden_layers,
+            vocab_size=model.get_output_embeddings().weight.shape[0],
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            intermediate_size=text.intermediate_size,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            rope_parameters=rope,
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+        )
+
+    @property
+    def decoder_layers(self):
+        return self.model.model.layers
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    def check_layers(self, layers) -> None:
+        bad = [k for k in layers if not 0 <= int(k) <= self.spec.num_layers]
+        if bad:
+            raise UserError(
+                f"aux layer ids {bad} out of range for target {self.spec.name} "
+                f"({self.spec.num_layers} layers: valid ids are 0..{self.spec.num_layers})"
+            )
+
+    @torch.no_grad()  # not inference_mode: drafters keep these tensors in their autograd graph
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers) -> tuple[list, torch.Tensor]:
+        """Run the body once; return the hidden states entering `layers` and the final (normed) state."""
+        self.check_layers(layers)
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        for k in set(int(k) for k in layers):
+            if k < self.spec.num_layers:
+                hook = self.decoder_layers[k].register_forward_pre_hook(
+                    lambda _m, args, kwargs, k=k: captured.__setitem__(k, (args[0] if args else kwargs["hidden_states"])),
+                    with_kwargs=True,
+                )
+            else:  # the last layer's output = input of the final norm
+                hook = self.model.model.norm.register_forward_pre_hook(lambda _m, args, k=k: captured.__setitem__(k, args[0]))
+            hooks.append(hook)
+        try:
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return [captured[int(k)] for k in layers], out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """lm_head on `hidden`, restricted to `token_ids` (the draft vocabulary) when given."""
+        weight = self.lm_head_weight if token_ids is None else self.lm_head_weight[token_ids]
+        return hidden.to(weight.dtype) @ weight.T
+
+    def argmax(self, hidden: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+        """Greedy token over the full vocabulary, chunked so [.., V] logits never exist at once."""
+        weight = self.lm_head_weight
+        hidden = hidden.to(weight.dtype)
+        best_value = best_index = None
+        for start in range(0, weight.shape[0], chunk):
+            value, index = (hidden @ weight[start : start + chunk].T).max(-1)
+            if best_value is None:
+                best_value, best_index = value, index
+            else:
+                better = value > best_value
+                best_value = torch.where(better, value, best_value)
+                best_index = torch.where(better, index + start, best_index)
+        return best_index
+
+
+def _fingerprint(cfg: DictConfig, path: str) -> str:
+    """Identity of the target's weights: the file's size+mtime for local files, the config otherwise."""
+    gguf = cfg.get("gguf_file")
+    where = os.path.join(path, gguf) if gguf else path
+    parts = {"name": cfg.name, "path": where}
+    if cfg.get("random_init"):
+        parts["random_init"] = OmegaConf.to_container(cfg.random_init, resolve=True)
+    elif os.path.isfile(where):
+        parts["size"] = os.path.getsize(where)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def load_target(cfg: DictConfig, device: str | torch.device = "cpu") -> Target:
+    """Load the target described by a `conf/target/*.yaml` node."""
+    dtype = DTYPES[cfg.get("dtype", "bfloat16")]
+    path = resolve_path(cfg)
+    tokenizer = load_tokenizer(cfg)
+    if cfg.get("random_init"):
+        model = _random_init(cfg, dtype)
+    else:
+        model = _load_pretrained(path, cfg.get("gguf_file"), dtype)
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+        raise UserError(f"target {cfg.name}: unsupported architecture {type(model).__name__} (no model.layers)")
+    return Target(model.to(device), tokenizer, cfg.name, _fingerprint(cfg, path))

@@ -1,0 +1,1 @@
+"""Export training checkpoints to serving artifacts (native, speculators/vLLM, SGLang)."""

@@ -1,0 +1,1 @@
+"""Bundled speculative-decoding serving loop (engine, benchmark)."""

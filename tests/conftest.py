@@ -1,0 +1,34 @@
+import os
+
+# Must precede any import of kernels: Triton decorates them at import time.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_train(overrides: list[str] | None = None):
+    """The same config `python -m training.run <overrides>` would see."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="train", overrides=overrides or [])
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from drafters.target import load_target
+
+    torch.manual_seed(0)
+    return load_target(compose_train(["target=tiny_llama"]).target)
+
+
+@pytest.fixture(scope="session")
+def smollm2_target():
+    from drafters.target import load_target
+
+    return load_target(compose_train(["target=llama"]).target)

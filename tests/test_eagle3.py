@@ -1,0 +1,143 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import compose_train
+from drafters.base import build_drafter, capture, sim_accept_len
+from drafters.eagle3 import default_aux_layers
+from drafters.errors import UserError
+from drafters.layers import ttt_attention
+from drafters.vocab import build_draft_vocab
+
+
+def random_vocab(target_vocab, size, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    stream = torch.randint(0, target_vocab, (4000,), generator=generator).tolist()
+    return build_draft_vocab([(stream, [1] * len(stream))], target_vocab, size, {"test": seed})
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target):
+    cfg = compose_train(["target=tiny_llama"]).drafter
+    vocab = random_vocab(tiny_target.spec.vocab_size, 512)
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg, tiny_target, vocab)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, tiny_target.spec.vocab_size, (2, 24), generator=generator)
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "loss_mask": torch.ones_like(input_ids),
+    }
+    return drafter, vocab, batch
+
+
+def test_default_aux_layers_follow_eagle3():
+    assert default_aux_layers(30) == [2, 15, 27]
+    assert default_aux_layers(32) == [2, 16, 29]
+
+
+def test_shapes_and_frozen_embedding(setup, tiny_target):
+    drafter, vocab, _ = setup
+    width = tiny_target.spec.hidden_size
+    assert drafter.fc.weight.shape == (width, 3 * width)
+    assert drafter.midlayer.self_attn.q_proj.weight.shape[1] == 2 * width
+    assert drafter.lm_head.weight.shape == (vocab.draft_size, width)
+    assert not drafter.embed_tokens.weight.requires_grad
+    assert torch.equal(drafter.embed_tokens.weight, tiny_target.embed_weight.float())
+    # the head starts as the target's own rows of the draft vocabulary
+    assert torch.equal(drafter.lm_head.weight, tiny_target.lm_head_weight[vocab.draft_ids].float())
+    assert torch.equal(drafter.d2t, vocab.d2t) and torch.equal(drafter.t2d, vocab.t2d)
+
+
+def test_capture_matches_hidden_states_convention(setup, tiny_target):
+    _, vocab, batch = setup
+    layers = [0, 2, 5, tiny_target.spec.num_layers]
+    aux, final = tiny_target.capture(batch["input_ids"], batch["attention_mask"], layers)
+    reference = tiny_target.model(batch["input_ids"], output_hidden_states=True)
+    for k, tensor in zip(layers[:-1], aux):
+        torch.testing.assert_close(tensor, reference.hidden_states[k])  # input of layer k
+    # the last hidden state HF reports is post-norm; ours for k == N is the pre-norm layer output
+    torch.testing.assert_close(tiny_target.model.model.norm(aux[-1]), reference.hidden_states[-1])
+    torch.testing.assert_close(final, reference.hidden_states[-1])
+    captured = capture(tiny_target, vocab, batch, layers)
+    full = reference.logits
+    torch.testing.assert_close(captured.teacher_logits, full[..., vocab.draft_ids])
+    greedy = full.argmax(-1)
+    assert torch.equal(captured.in_vocab, vocab.t2d[greedy])
+    where = captured.in_vocab
+    assert torch.equal(vocab.draft_ids[captured.teacher_token[where]], greedy[where])
+
+
+def test_aux_layers_out_of_range_is_user_error(tiny_target):
+    cfg = compose_train(["target=tiny_llama", "drafter.aux_layers=[1,2,99]"]).drafter
+    with pytest.raises(UserError, match="out of range"):
+        build_drafter(cfg, tiny_target, random_vocab(tiny_target.spec.vocab_size, 64))
+
+
+def brute_force_ttt(q, keys, values):
+    """Every (step, position) as its own key; explicit mask: step 0 causal, steps >= 1 diagonal."""
+    length = q.shape[-2]
+    all_keys, all_values = torch.cat(keys, -2), torch.cat(values, -2)
+    mask = torch.zeros(length, length * len(keys), dtype=torch.bool)
+    mask[:, :length] = torch.ones(length, length, dtype=torch.bool).tril()
+    for j in range(1, len(keys)):
+        mask[:, j * length : (j + 1) * length] = torch.eye(length, dtype=torch.bool)
+    return F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_ttt_attention_matches_explicit_mask(steps):
+    generator = torch.Generator().manual_seed(steps)
+    shape = (2, 3, 7, 8)
+    q = torch.randn(shape, generator=generator)
+    keys = [torch.randn(shape, generator=generator) for _ in range(steps)]
+    values = [torch.randn(shape, generator=generator) for _ in range(steps)]
+    torch.testing.assert_close(ttt_attention(q, keys, values), brute_force_ttt(q, keys, values))
+
+
+def test_ttt_unrolling_is_causal(setup, tiny_target):
+    """Changing token j may only affect predictions of steps whose inputs reach token j: step k at
+    position t reads tokens <= t+1+k, so everything with t + 1 + k < j must stay identical."""
+    drafter, vocab, batch = setup
+    j = 15
+    outputs = []
+    for change in (False, True):
+        ids = batch["input_ids"].clone()
+        if change:
+            ids[:, j] = (ids[:, j] + 1) % tiny_target.spec.vocab_size
+        logits = []
+        original = drafter.lm_head.forward
+        drafter.lm_head.forward = lambda x: logits.append(original(x)) or logits[-1]
+        try:
+            b = {**batch, "input_ids": ids}
+            drafter.loss(b, capture(tiny_target, vocab, b, drafter.capture_layers()))
+        finally:
+            del drafter.lm_head.forward
+        outputs.append(logits)
+    for k, (before, after) in enumerate(zip(*outputs)):
+        unaffected = j - 1 - k  # positions t < j - 1 - k
+        torch.testing.assert_close(before[:, :unaffected], after[:, :unaffected], msg=f"step {k}")
+        assert not torch.allclose(before[:, unaffected:], after[:, unaffected:]), f"step {k} ignores token {j}"
+
+
+def test_loss_metrics_and_masking(setup, tiny_target):
+    drafter, vocab, batch = setup
+    captured = capture(tiny_target, vocab, batch, drafter.capture_layers())
+    loss, metrics = drafter.loss(batch, captured)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert sorted(k for k in metrics if k.startswith("acc/")) == [f"acc/{k}" for k in range(1, 8)]
+    assert all(0.0 <= metrics[f"acc/{k}"] <= 1.0 for k in range(1, 8))
+    # masking every assistant token leaves nothing to learn: zero loss
+    empty = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    zero, _ = drafter.loss(empty, captured)
+    assert zero.item() == 0.0
+    loss.backward()
+    assert drafter.fc.weight.grad is not None and drafter.embed_tokens.weight.grad is None
+    drafter.zero_grad()
+
+
+def test_sim_accept_len():
+    assert sim_accept_len([]) == 1.0
+    assert sim_accept_len([1.0, 1.0, 1.0]) == 4.0
+    assert sim_accept_len([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)

@@ -1,0 +1,1 @@
+"""Training entry point (`python -m training.run`) and loop."""

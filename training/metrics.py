@@ -1,0 +1,67 @@
+"""Metrics to `metrics.jsonl`, W&B (through Accelerate's tracker) and PNG plots in the run dir."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class MetricsLog:
+    def __init__(self, accelerator, run_dir: str):
+        self.accelerator = accelerator
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.plots_dir = os.path.join(run_dir, "plots")
+
+    def log(self, step: int, values: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        record = {"step": step, **values}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        self.accelerator.log(values, step=step)
+
+    def records(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def plot(self) -> None:
+        """loss.png, acceptance_by_position.png, sim_accept_len.png from everything logged so far."""
+        if not self.accelerator.is_main_process:
+            return
+        os.makedirs(self.plots_dir, exist_ok=True)
+        records = self.records()
+
+        def series(key):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            return [p[0] for p in points], [p[1] for p in points]
+
+        def figure(name, title, keys, ylabel):
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for key, label in keys:
+                steps, values = series(key)
+                if steps:
+                    ax.plot(steps, values, marker="o" if len(steps) < 30 else None, label=label)
+            ax.set(title=title, xlabel="step", ylabel=ylabel)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+            fig.tight_layout()
+            fig.savefig(os.path.join(self.plots_dir, name), dpi=100)
+            plt.close(fig)
+
+        figure("loss.png", "loss", [("train/loss", "train"), ("eval/loss", "eval")], "weighted TTT loss")
+        positions = sorted({int(k.split("/")[-1]) for r in records for k in r if k.startswith("eval/acc/")})
+        figure(
+            "acceptance_by_position.png",
+            "eval top-1 agreement with the target, by draft position",
+            [(f"eval/acc/{k}", f"position {k}") for k in positions],
+            "accuracy",
+        )
+        figure("sim_accept_len.png", "simulated acceptance length", [("eval/sim_accept_len", "eval")], "tokens / target forward")

