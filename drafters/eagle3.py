@@ -109,12 +109,18 @@ class Eagle3(Drafter):
     def loss(self, batch: dict, captured: Captured):
         input_ids = batch["input_ids"]
         length = input_ids.shape[1]
-        teacher = torch.softmax(captured.teacher_logits.float(), -1)
         # position t's teacher predicts token t+1, which counts only if it is an assistant token
         predicts = F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool() & captured.in_vocab
+        teacher = torch.softmax(captured.teacher_logits.float(), -1)
         feature = self.fuse(captured.aux)
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
         keys, values = [], []
+
+        def attend(q, key, value):
+            keys.append(key)
+            values.append(value)
+            return ttt_attention(q, keys, values)
+
         total, metrics = 0.0, {}
         steps, decay = int(self.cfg.ttt_steps), float(self.cfg.loss_decay)
         for k in range(steps):
@@ -122,21 +128,15 @@ class Eagle3(Drafter):
             shift = 1 + k
             tokens = F.pad(input_ids[:, shift:], (0, shift))
             cos, sin = self.rotary(feature, positions + k)
-
-            def attend(q, key, value):
-                keys.append(key)
-                values.append(value)
-                return ttt_attention(q, keys, values)
-
             feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
-            logits = self.lm_head(self.norm(feature)).float()
-            mask = F.pad(predicts[:, shift:], (0, shift)).float()
-            target = F.pad(teacher[:, shift:], (0, 0, 0, shift))
-            count = mask.sum().clamp(min=1)
-            step_loss = (-(target * torch.log_softmax(logits, -1)).sum(-1) * mask).sum() / count
+            # the vocabulary-wide work (lm_head, softmax) only on rows that have a target
+            rows = predicts[:, shift:]
+            logits = self.lm_head(self.norm(feature[:, : length - shift][rows])).float()
+            count = max(int(rows.sum()), 1)
+            step_loss = F.cross_entropy(logits, teacher[:, shift:][rows], reduction="sum") / count
             total = total + decay**k * step_loss
-            hits = (logits.argmax(-1) == F.pad(captured.teacher_token[:, shift:], (0, shift))).float()
-            metrics[f"acc/{k + 1}"] = ((hits * mask).sum() / count).item()
+            hits = (logits.argmax(-1) == captured.teacher_token[:, shift:][rows]).sum()
+            metrics[f"acc/{k + 1}"] = hits.item() / count
             metrics[f"loss/{k + 1}"] = step_loss.item()
         return total, metrics
 

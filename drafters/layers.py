@@ -33,7 +33,7 @@ def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
     )
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """Attention of TTT step k = len(keys) - 1 over [B, heads, T, D] tensors (kv heads pre-expanded).
 
     Position t of step k stands for sequence position t + k of a draft chain whose context ends at
@@ -51,3 +51,52 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     for j, v in enumerate(values[1:]):
         out = out + weights[..., length + j : length + j + 1] * v
     return out
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _ContextChainAttention(torch.autograd.Function):
+    """`ttt_attention_reference` without the [T, T] score matrix: the causal context part runs in
+    PyTorch's fused CPU flash kernel, the k chain keys per position are merged in through the
+    log-sum-exp, and the backward hands the flash kernel the merged output and log-sum-exp (the
+    ring-attention identity), so no gradient ever needs the context-only normalizer."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, chain_k, chain_v):  # chain_*: [B, heads, T, k, D]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        out0, lse0 = _flash_cpu(q, k0, v0, 0.0, True, scale=scale)
+        scores = (q.unsqueeze(-2) * chain_k).sum(-1).float() * scale  # [B, heads, T, k]
+        lse = torch.logaddexp(lse0, torch.logsumexp(scores, -1))
+        context_weight = torch.exp(lse0 - lse).unsqueeze(-1)
+        chain_weight = torch.exp(scores - lse.unsqueeze(-1))
+        out = (context_weight * out0.float() + (chain_weight.unsqueeze(-1) * chain_v.float()).sum(-2)).to(q.dtype)
+        ctx.save_for_backward(q, k0, v0, chain_k, chain_v, out, lse, chain_weight)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k0, v0, chain_k, chain_v, out, lse, chain_weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_q, grad_k0, grad_v0 = _flash_cpu_backward(grad_out, q, k0, v0, out, lse, 0.0, True, scale=ctx.scale)
+        grad = grad_out.float()
+        row = (grad * out.float()).sum(-1, keepdim=True)  # rowsum(dO * O)
+        grad_scores = chain_weight * ((grad.unsqueeze(-2) * chain_v.float()).sum(-1) - row) * ctx.scale
+        grad_q = grad_q + (grad_scores.unsqueeze(-1) * chain_k.float()).sum(-2).to(q.dtype)
+        grad_chain_k = (grad_scores.unsqueeze(-1) * q.float().unsqueeze(-2)).to(chain_k.dtype)
+        grad_chain_v = (chain_weight.unsqueeze(-1) * grad.unsqueeze(-2)).to(chain_v.dtype)
+        return grad_q, grad_k0, grad_v0, grad_chain_k, grad_chain_v
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """TTT attention; on CPU through the fused flash kernel (same result, far less memory traffic)."""
+    if q.device.type != "cpu":
+        return ttt_attention_reference(q, keys, values)
+    if len(keys) == 1:
+        return torch.nn.functional.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
+    return _ContextChainAttention.apply(
+        q.contiguous(), keys[0].contiguous(), values[0].contiguous(),
+        torch.stack(keys[1:], -2), torch.stack(values[1:], -2),
+    )

@@ -6,7 +6,7 @@ from conftest import compose_train
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.eagle3 import default_aux_layers
 from drafters.errors import UserError
-from drafters.layers import ttt_attention
+from drafters.layers import ttt_attention, ttt_attention_reference
 from drafters.vocab import build_draft_vocab
 
 
@@ -93,11 +93,26 @@ def test_ttt_attention_matches_explicit_mask(steps):
     q = torch.randn(shape, generator=generator)
     keys = [torch.randn(shape, generator=generator) for _ in range(steps)]
     values = [torch.randn(shape, generator=generator) for _ in range(steps)]
-    torch.testing.assert_close(ttt_attention(q, keys, values), brute_force_ttt(q, keys, values))
+    torch.testing.assert_close(ttt_attention_reference(q, keys, values), brute_force_ttt(q, keys, values))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_fused_cpu_ttt_attention_matches_reference_with_gradients(steps, dtype, tol):
+    generator = torch.Generator().manual_seed(10 + steps)
+    make = lambda: torch.randn(2, 3, 29, 16, generator=generator).to(dtype).requires_grad_()  # noqa: E731
+    q, keys, values = make(), [make() for _ in range(steps)], [make() for _ in range(steps)]
+    fused, reference = ttt_attention(q, keys, values), ttt_attention_reference(q, keys, values)
+    torch.testing.assert_close(fused, reference, atol=tol, rtol=tol)
+    weight = torch.randn(fused.shape, generator=generator).to(dtype)
+    inputs = [q, *keys, *values]
+    for got, want in zip(torch.autograd.grad((fused * weight).sum(), inputs),
+                         torch.autograd.grad((reference * weight).sum(), inputs)):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_ttt_unrolling_is_causal(setup, tiny_target):
-    """Changing token j may only affect predictions of steps whose inputs reach token j: step k at
+    """Changing token j may only affect the features of steps whose inputs reach token j: step k at
     position t reads tokens <= t+1+k, so everything with t + 1 + k < j must stay identical."""
     drafter, vocab, batch = setup
     j = 15
@@ -106,15 +121,14 @@ def test_ttt_unrolling_is_causal(setup, tiny_target):
         ids = batch["input_ids"].clone()
         if change:
             ids[:, j] = (ids[:, j] + 1) % tiny_target.spec.vocab_size
-        logits = []
-        original = drafter.lm_head.forward
-        drafter.lm_head.forward = lambda x: logits.append(original(x)) or logits[-1]
+        features = []
+        hook = drafter.midlayer.register_forward_hook(lambda _m, _args, out: features.append(out.detach()))
         try:
             b = {**batch, "input_ids": ids}
             drafter.loss(b, capture(tiny_target, vocab, b, drafter.capture_layers()))
         finally:
-            del drafter.lm_head.forward
-        outputs.append(logits)
+            hook.remove()
+        outputs.append(features)
     for k, (before, after) in enumerate(zip(*outputs)):
         unaffected = j - 1 - k  # positions t < j - 1 - k
         torch.testing.assert_close(before[:, :unaffected], after[:, :unaffected], msg=f"step {k}")

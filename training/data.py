@@ -338,6 +338,7 @@ def regenerate(
     cache_dir: str,
     target_id: str,
     temperature: float = 0.0,
+    max_prompt_tokens: int | None = None,
 ) -> list[Conversation]:
     """Self-distillation: replace the answers by the target's own.
 
@@ -346,12 +347,22 @@ def regenerate(
     later turns are dropped, because regenerating them would need one sequential generation per
     turn and the original follow-up questions may not fit the new answers anyway.
 
+    Prompts longer than ``max_prompt_tokens`` are dropped (counted in the log): their answers
+    would not fit the training length, and one of them would stall a whole batch.
+
     Greedy when temperature == 0. The answers are cached in ``cache_dir`` under a hash of the
     target id, the prompts, max_new_tokens, temperature and the chat template; a finished run is
     reused as is, an interrupted one resumes from the batches it saved.
     """
     _require_template(tokenizer)
     prompts = [_prompt(c) for c in conversations]
+    if max_prompt_tokens is not None:
+        lengths = [len(tokenizer(_chat_text(tokenizer, p, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+                   for p in prompts]
+        kept = [p for p, n in zip(prompts, lengths) if n <= max_prompt_tokens]
+        if len(kept) < len(prompts):
+            logger.info("regeneration: dropped %d prompts longer than %d tokens", len(prompts) - len(kept), max_prompt_tokens)
+        prompts = kept
     key_source = json.dumps(
         [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template], ensure_ascii=False
     )

@@ -40,6 +40,8 @@ def prepare_data(cfg: DictConfig, target):
             temperature=cfg.data.regen.temperature,
             cache_dir=os.path.join(cfg.cache_dir, "regenerated"),
             target_id=f"{target.spec.name}:{target.fingerprint}",
+            # leave the answer room within the training length
+            max_prompt_tokens=max(cfg.data.max_length - cfg.data.regen.max_new_tokens, 64),
         )
     train_set, eval_set, split = data.build_datasets(
         conversations,
