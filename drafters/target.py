@@ -78,24 +78,28 @@ def _random_init(cfg: DictConfig, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def _load_pretrained(path: str, gguf_file: str | None, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _check_causal_lm(path: str, gguf_file: str | None):
+    """Fail with one line before any weights load if `path` isn't a causal LM."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     where = os.path.join(path, gguf_file) if gguf_file else path
-    if os.path.isabs(path) or path.startswith("."):
-        if not os.path.exists(where):
-            raise UserError(f"target not found: {where}")
+    if (os.path.isabs(path) or path.startswith(".")) and not os.path.exists(where):
+        raise UserError(f"target not found: {where}")
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as error:
         raise UserError(f"target {where} is not a loadable HF model ({str(error).splitlines()[0]})") from None
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    except ValueError as error:
-        if "Unrecognized configuration class" in str(error):
-            raise UserError(f"target {where} is not a causal LM (model_type '{config.model_type}')") from None
-        raise
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"target {where} is not a causal LM (model_type '{config.model_type}')")
+
+
+def _load_pretrained(path: str, gguf_file: str | None, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
 
 
 class Target:
@@ -212,7 +216,12 @@ def load_target(cfg: DictConfig, device: str | torch.device = "cpu") -> Target:
     """Load the target described by a `conf/target/*.yaml` node."""
     dtype = DTYPES[cfg.get("dtype", "bfloat16")]
     path = resolve_path(cfg)
-    tokenizer = load_tokenizer(cfg)
+    if not cfg.get("random_init"):
+        _check_causal_lm(path, cfg.get("gguf_file"))
+    try:
+        tokenizer = load_tokenizer(cfg)
+    except (OSError, ValueError) as error:
+        raise UserError(f"target {path}: no usable tokenizer ({str(error).splitlines()[0]})") from None
     if cfg.get("random_init"):
         model = _random_init(cfg, dtype)
     else:

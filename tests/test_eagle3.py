@@ -155,3 +155,27 @@ def test_sim_accept_len():
     assert sim_accept_len([]) == 1.0
     assert sim_accept_len([1.0, 1.0, 1.0]) == 4.0
     assert sim_accept_len([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+@pytest.mark.slow
+def test_smollm2_capture_and_teacher(smollm2_target):
+    """On the real SmolLM2-135M: hooks read HF's hidden_states[k], the chunked greedy token is the
+    full-vocabulary argmax, and an EAGLE-3 head builds on its 30 layers with aux [2, 15, 27]."""
+    target = smollm2_target
+    assert (target.spec.num_layers, target.spec.hidden_size, target.spec.vocab_size) == (30, 576, 49152)
+    text = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is a KV cache?"}],
+                                                tokenize=False, add_generation_prompt=True)
+    ids = target.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    layers = default_aux_layers(30)
+    aux, final = target.capture(ids, torch.ones_like(ids), layers)
+    with torch.no_grad():
+        reference = target.model(ids, output_hidden_states=True)
+    for k, tensor in zip(layers, aux):
+        assert torch.equal(tensor, reference.hidden_states[k])
+    assert torch.equal(target.argmax(final, chunk=5000), reference.logits.argmax(-1))
+    vocab = random_vocab(target.spec.vocab_size, 1024)
+    drafter = build_drafter(compose_train().drafter, target, vocab)
+    assert drafter.capture_layers() == [2, 15, 27]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    loss, metrics = drafter.loss(batch, capture(target, vocab, batch, layers))
+    assert torch.isfinite(loss) and "acc/7" in metrics
