@@ -309,7 +309,7 @@ def test_regenerate_drops_prompts_too_long_for_training(tokenizer, tiny_model, t
     prompts = [[t for t in p[: next((i for i, t in enumerate(p) if t["role"] == "assistant"), len(p))]] for p in PROMPTS]
     lengths = [len(tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"])
                for p in prompts]
-    limit = sorted(lengths)[1]  # keeps the two shortest prompts (ties aside)
+    limit = max(lengths) - 1  # drops the longest prompt(s)
     out = regenerate(tiny_model, tokenizer, PROMPTS, max_new_tokens=2, batch_size=2, cache_dir=str(tmp_path),
                      target_id="tiny", max_prompt_tokens=limit)
     assert len(out) == sum(n <= limit for n in lengths) < len(PROMPTS)
