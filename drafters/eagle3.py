@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from drafters.base import Captured, Drafter, register
-from drafters.layers import draft_layer_config, ttt_attention
+from drafters.layers import DraftCache, draft_layer_config, ttt_attention
 
 
 class Eagle3Attention(nn.Module):
@@ -139,6 +139,39 @@ class Eagle3(Drafter):
             metrics[f"acc/{k + 1}"] = hits.item() / count
             metrics[f"loss/{k + 1}"] = step_loss.item()
         return total, metrics
+
+
+    # ---- serving: the same layer, run incrementally over a DraftCache
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache()
+
+    def _step(self, cache: DraftCache, tokens, feature, start: int):
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
+        cos, sin = self.rotary(feature, positions)
+        feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, cache.attend)
+        return feature, self.lm_head(self.norm(feature))
+
+    @torch.no_grad()
+    def extend(self, cache: DraftCache, aux: list[torch.Tensor], next_tokens: torch.Tensor):
+        """Add context entries for target positions cache.length.. : the fused target features at t
+        with the token committed at t+1. Returns the last entry's (feature, draft logits)."""
+        feature, logits = self._step(cache, next_tokens, self.fuse(aux), cache.length)
+        return feature[:, -1:], logits[:, -1:]
+
+    @torch.no_grad()
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int):
+        """Greedy chain of `steps` drafts (target ids) from the last context entry, feeding the
+        drafter's own feature back (what TTT trained for). Also returns each draft's probability."""
+        tokens, probs = [], []
+        for i in range(steps):
+            prob, draft = torch.softmax(logits[:, -1].float(), -1).max(-1)
+            token = draft + self.d2t[draft]
+            tokens.append(token)
+            probs.append(prob)
+            if i + 1 < steps:
+                feature, logits = self._step(cache, token[:, None], feature, cache.length)
+        return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

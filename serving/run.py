@@ -1,0 +1,43 @@
+"""`python -m serving.run artifact=<dir> prompt="..."`: generate with speculative decoding + stats."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from drafters.errors import UserError
+
+
+def chat_prompt(tokenizer, text: str):
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="serve")
+def main(cfg: DictConfig) -> None:
+    from serving import artifact
+    from serving.engine import generate_chain, generate_plain
+
+    try:
+        target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
+    eos = {target.tokenizer.eos_token_id}
+    tokens, stats = generate_chain(target, drafter, ids, cfg.max_new_tokens, eos, steps=cfg.steps, min_prob=cfg.min_prob)
+    print(target.tokenizer.decode(tokens, skip_special_tokens=True))
+    print(f"\n[spec] {stats.new_tokens} tokens, {stats.target_forwards} target forwards, "
+          f"acceptance length {stats.accept_len:.2f}, {stats.new_tokens / stats.seconds:.1f} tokens/s")
+    if cfg.compare_plain:
+        plain, plain_stats = generate_plain(target, ids, cfg.max_new_tokens, eos)
+        print(f"[plain] {plain_stats.new_tokens / plain_stats.seconds:.1f} tokens/s; "
+              f"speed-up {plain_stats.seconds / stats.seconds * stats.new_tokens / plain_stats.new_tokens:.2f}x; "
+              f"identical output: {plain == tokens}")
+
+
+if __name__ == "__main__":
+    main()
