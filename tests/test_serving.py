@@ -1,0 +1,93 @@
+"""serving.run / serving.bench / artifact loading on a tiny trained checkpoint, and losslessness
+on the real SmolLM2-135M."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import compose_train
+from drafters.errors import UserError
+from drafters.target import load_target
+from serving import artifact
+from serving.engine import generate_chain, generate_plain
+from test_engine import PROMPTS, chat_ids, head_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    result = subprocess.run(
+        [sys.executable, "-m", "training.run", "target=tiny_llama", "logger=none", "data.max_samples=40",
+         "data.max_length=128", "trainer.batch_size=2", "trainer.max_steps=2", "trainer.eval_max_samples=4",
+         f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return str(run_dir / "checkpoints" / "latest")
+
+
+def cli(module, *args):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_artifact_round_trip_generates_losslessly(checkpoint, tiny_target):
+    target, drafter = artifact.load(checkpoint, target=tiny_target)
+    assert drafter.capture_layers() == [2, 4, 5]
+    eos = {target.tokenizer.eos_token_id}
+    ids = chat_ids(target, PROMPTS[0])
+    assert generate_chain(target, drafter, ids, 24, eos)[0] == generate_plain(target, ids, 24, eos)[0]
+
+
+def test_artifact_for_another_target_is_refused(checkpoint):
+    other = load_target(compose_train(["target=tiny_llama", "target.random_init.hidden_size=32",
+                                       "target.random_init.head_dim=8"]).target)
+    with pytest.raises(UserError, match="hidden_size"):
+        artifact.load(checkpoint, target=other)
+
+
+def test_serving_run_cli(checkpoint):
+    result = cli("serving.run", f"artifact={checkpoint}", "max_new_tokens=12", "dtype=float32", "prompt=Hello there")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "identical output: True" in result.stdout and "acceptance length" in result.stdout
+
+
+def test_bench_json_interface(checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n")
+    out = tmp_path / "res.json"
+    result = cli("serving.bench", f"artifact={checkpoint}", f"prompts={prompts}", "n=2", "max_new_tokens=10",
+                 "dtype=float32", "steps=3", f"out={out}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert {"artifact", "dtype", "draft", "steps", "temperature"} <= set(report["config"])
+    entry = report["datasets"]["prompts.jsonl"]
+    for key in ("accept_len", "accept_rate_by_pos", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
+                "identical", "unexplained_divergences", "n_prompts"):
+        assert key in entry
+    assert entry["identical"] == 1.0 and entry["unexplained_divergences"] == 0 and entry["n_prompts"] == 2
+    assert len(entry["accept_rate_by_pos"]) == 3 and entry["accept_len"] >= 1.0
+    assert (tmp_path / "res.png").exists()
+
+
+def test_missing_artifact_is_one_clear_line(tmp_path):
+    for module in ("serving.run", "serving.bench"):
+        result = cli(module, f"artifact={tmp_path / 'nope'}")
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines()[-1] == f"error: artifact not found: {tmp_path / 'nope'}"
+
+
+@pytest.mark.slow
+def test_smollm2_chain_is_lossless_in_float32():
+    target = load_target(compose_train(["target=llama", "target.dtype=float32"]).target)
+    drafter = head_for(target, 4096)
+    eos = {target.tokenizer.eos_token_id}
+    for text in PROMPTS[:2]:
+        ids = chat_ids(target, text)
+        plain, _ = generate_plain(target, ids, 24, eos)
+        spec, stats = generate_chain(target, drafter, ids, 24, eos, steps=5)
+        assert spec == plain, text
+        assert stats.accept_len >= 1.0
