@@ -33,7 +33,8 @@ def records(run_dir):
 def test_run_dir_layout_metrics_plots_and_wandb(tmp_path):
     run_dir = tmp_path / "run"
     result = train(run_dir, "trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=2", "trainer.log_every=1",
-                   "logger=wandb", f"cache_dir={tmp_path / 'cache'}")
+                   "logger=wandb", f"cache_dir={tmp_path / 'cache'}", "trainer.eval_accept_prompts=2",
+                   "trainer.eval_accept_tokens=8")
     assert result.returncode == 0, result.stderr[-3000:]
     logged = records(run_dir)
     assert [r["step"] for r in logged if "train/loss" in r] == [1, 2, 3, 4]
@@ -43,6 +44,7 @@ def test_run_dir_layout_metrics_plots_and_wandb(tmp_path):
     assert [r["step"] for r in evals] == [2, 4]
     assert {"eval/loss", "eval/vocab_coverage", *(f"eval/acc/{k}" for k in range(1, 8))} <= set(evals[0])
     assert evals[-1]["eval/sim_accept_len"] >= 1.0
+    assert 1.0 <= evals[-1]["eval/accept_len"] <= 8.0  # measured by the serving engine
     assert sorted(os.listdir(run_dir / "plots")) == ["acceptance_by_position.png", "loss.png", "sim_accept_len.png"]
     assert os.path.realpath(run_dir / "checkpoints" / "latest") == str(run_dir / "checkpoints" / "step-4")
     state = json.loads((run_dir / "checkpoints" / "step-4" / "trainer_state.json").read_text())

@@ -110,12 +110,31 @@ def evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id) -> dict
         for key, value in {"loss": loss.item(), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value * tokens
         weights += tokens
-    model.train()
     result = {f"eval/{key}": value / max(weights, 1.0) for key, value in totals.items()}
+    if cfg.trainer.eval_accept_prompts > 0:
+        result["eval/accept_len"] = measured_accept_len(model, target, eval_set, cfg)
+    model.train()
     steps = sorted(int(key.split("/")[-1]) for key in result if key.startswith("eval/acc/"))
     result["eval/sim_accept_len"] = sim_accept_len([result[f"eval/acc/{k}"] for k in steps])
     result["eval/vocab_coverage"] = covered / max(masked, 1.0)
     return result
+
+
+def measured_accept_len(drafter, target, eval_set, cfg) -> float:
+    """Real acceptance: the serving engine generates from held-out prompts (the text before the
+    first answer), greedy, chain of the drafter's K; tokens committed per target forward."""
+    from serving.engine import generate_chain
+
+    eos = {target.tokenizer.eos_token_id}
+    tokens = forwards = 0
+    for example in eval_set.select(range(min(cfg.trainer.eval_accept_prompts, len(eval_set)))):
+        first_answer = example["loss_mask"].index(1)
+        prompt = torch.tensor([example["input_ids"][:first_answer]], device=target.device)
+        _, stats = generate_chain(target, drafter, prompt, cfg.trainer.eval_accept_tokens, eos,
+                                  steps=int(cfg.drafter.get("ttt_steps", 7)))
+        tokens += stats.new_tokens
+        forwards += stats.target_forwards
+    return tokens / max(forwards, 1)
 
 
 def make_accelerator(cfg: DictConfig, run_dir: str) -> Accelerator:
