@@ -17,14 +17,16 @@ from tqdm.auto import tqdm
 from drafters.errors import UserError
 
 
-def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool, tolerance: float) -> str:
-    """'identical', 'near_tie' (a bf16 rounding flip at a top-2 tie) or 'unexplained'."""
+def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool, tolerance: float):
+    """('identical' | 'near_tie' (a bf16 rounding flip at a top-2 tie) | 'unexplained', the plain
+    run's top-2 logit gap where the outputs first differ, or None)."""
     if plain == spec:
-        return "identical"
+        return "identical", None
     first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    if not exact and first < len(margins) and margins[first] < tolerance:
-        return "near_tie"
-    return "unexplained"
+    margin = margins[first] if first < len(margins) else None
+    if not exact and margin is not None and margin < tolerance:
+        return "near_tie", margin
+    return "unexplained", margin
 
 
 def run_set(target, drafter, prompts, cfg) -> dict:
@@ -33,7 +35,7 @@ def run_set(target, drafter, prompts, cfg) -> dict:
 
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0}
-    proposed, accepted, outcomes = [], [], []
+    proposed, accepted, outcomes, gaps = [], [], [], []
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         ids = chat_prompt(target.tokenizer, text).to(target.device)
         runs = {}
@@ -56,7 +58,10 @@ def run_set(target, drafter, prompts, cfg) -> dict:
                 accepted.append(0)
             proposed[k] += p
             accepted[k] += a
-        outcomes.append(compare(plain, spec, plain_stats.margins, cfg.dtype == "float32", cfg.tie_tolerance))
+        outcome, gap = compare(plain, spec, plain_stats.margins, cfg.dtype == "float32", cfg.tie_tolerance)
+        outcomes.append(outcome)
+        if gap is not None:
+            gaps.append(round(gap, 4))
     plain_rate = totals["plain_tokens"] / totals["plain_s"]
     spec_rate = totals["spec_tokens"] / totals["spec_s"]
     return {
@@ -69,6 +74,7 @@ def run_set(target, drafter, prompts, cfg) -> dict:
         "identical": outcomes.count("identical") / len(outcomes),
         "near_tie_divergences": outcomes.count("near_tie"),
         "unexplained_divergences": outcomes.count("unexplained"),
+        "divergence_top2_gaps": gaps,
         "new_tokens_spec": totals["spec_tokens"],
         "new_tokens_plain": totals["plain_tokens"],
     }
