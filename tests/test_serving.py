@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import compose_train
 from drafters.errors import UserError

@@ -19,7 +19,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup, get_consta
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.errors import UserError
 from drafters.target import load_target
-from drafters.vocab import build_draft_vocab, coverage, load_or_build, tokenizer_fingerprint
+from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training import checkpoint, data
 from training.metrics import MetricsLog
 
