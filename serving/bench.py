@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import hydra
+import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -29,12 +31,23 @@ def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool
     return "unexplained", margin
 
 
+@torch.no_grad()
+def prompt_lookup(target, ids, cfg) -> tuple[int, float]:
+    """transformers' own zero-training alternative: n-gram drafts copied from the prompt."""
+    began = time.perf_counter()
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                                do_sample=False, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens,
+                                pad_token_id=target.tokenizer.pad_token_id)
+    return out.shape[1] - ids.shape[1], time.perf_counter() - began
+
+
 def run_set(target, drafter, prompts, cfg) -> dict:
     from serving.engine import generate_chain, generate_plain
     from serving.run import chat_prompt
 
     eos = {target.tokenizer.eos_token_id}
-    totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0}
+    totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
+              "lookup_s": 0.0, "lookup_tokens": 0}
     proposed, accepted, outcomes, gaps = [], [], [], []
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         ids = chat_prompt(target.tokenizer, text).to(target.device)
@@ -47,6 +60,10 @@ def run_set(target, drafter, prompts, cfg) -> dict:
                 runs[kind] = generate_chain(target, drafter, ids, cfg.max_new_tokens, eos, steps=cfg.steps,
                                             min_prob=cfg.min_prob)
         (plain, plain_stats), (spec, spec_stats) = runs["plain"], runs["spec"]
+        if cfg.prompt_lookup_tokens > 0:
+            tokens, seconds = prompt_lookup(target, ids, cfg)
+            totals["lookup_tokens"] += tokens
+            totals["lookup_s"] += seconds
         totals["plain_s"] += plain_stats.seconds
         totals["plain_tokens"] += plain_stats.new_tokens
         totals["spec_s"] += spec_stats.seconds
@@ -64,7 +81,7 @@ def run_set(target, drafter, prompts, cfg) -> dict:
             gaps.append(round(gap, 4))
     plain_rate = totals["plain_tokens"] / totals["plain_s"]
     spec_rate = totals["spec_tokens"] / totals["spec_s"]
-    return {
+    result = {
         "n_prompts": len(prompts),
         "accept_len": totals["spec_tokens"] / totals["forwards"],
         "accept_rate_by_pos": [a / p for a, p in zip(accepted, proposed)],
@@ -78,6 +95,12 @@ def run_set(target, drafter, prompts, cfg) -> dict:
         "new_tokens_spec": totals["spec_tokens"],
         "new_tokens_plain": totals["plain_tokens"],
     }
+    if cfg.prompt_lookup_tokens > 0:
+        lookup_rate = totals["lookup_tokens"] / totals["lookup_s"]
+        result["tokens_per_s_prompt_lookup"] = lookup_rate
+        result["speedup_prompt_lookup"] = lookup_rate / plain_rate
+        result["speedup_over_prompt_lookup"] = spec_rate / lookup_rate
+    return result
 
 
 def plot(results: dict, path: str) -> None:
@@ -118,14 +141,16 @@ def main(cfg: DictConfig) -> None:
     results = {
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": cfg.dtype, "draft": cfg.draft,
                    "steps": cfg.steps, "min_prob": cfg.min_prob, "temperature": cfg.temperature,
-                   "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance},
+                   "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
+                   "prompt_lookup_tokens": cfg.prompt_lookup_tokens},
         "datasets": {},
     }
     for name, prompts in sets.items():
         results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg)
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "
               f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), "
-              f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}")
+              f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}"
+              + (f"; prompt lookup {result['speedup_prompt_lookup']:.2f}x" if "speedup_prompt_lookup" in result else ""))
     with open(cfg.out, "w") as handle:
         json.dump(results, handle, indent=1)
     plot(results, os.path.splitext(cfg.out)[0] + ".png")

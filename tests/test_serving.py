@@ -59,7 +59,7 @@ def test_bench_json_interface(checkpoint, tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n")
     out = tmp_path / "res.json"
     result = cli("serving.bench", f"artifact={checkpoint}", f"prompts={prompts}", "n=2", "max_new_tokens=10",
-                 "dtype=float32", "steps=3", f"out={out}")
+                 "dtype=float32", "steps=3", "prompt_lookup_tokens=3", f"out={out}")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert {"artifact", "dtype", "draft", "steps", "temperature"} <= set(report["config"])
@@ -69,6 +69,7 @@ def test_bench_json_interface(checkpoint, tmp_path):
         assert key in entry
     assert entry["identical"] == 1.0 and entry["unexplained_divergences"] == 0 and entry["n_prompts"] == 2
     assert len(entry["accept_rate_by_pos"]) == 3 and entry["accept_len"] >= 1.0
+    assert entry["tokens_per_s_prompt_lookup"] > 0 and entry["speedup_over_prompt_lookup"] > 0
     assert (tmp_path / "res.png").exists()
 
 
