@@ -146,10 +146,12 @@ class Eagle3(Drafter):
     def new_cache(self) -> DraftCache:
         return DraftCache()
 
-    def _step(self, cache: DraftCache, tokens, feature, start: int):
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
+    def _step(self, cache: DraftCache, tokens, feature, start: int, positions=None, mask=None):
+        if positions is None:
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
         cos, sin = self.rotary(feature, positions)
-        feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, cache.attend)
+        attend = lambda q, k, v: cache.attend(q, k, v, mask)  # noqa: E731
+        feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
         return feature, self.lm_head(self.norm(feature))
 
     @torch.no_grad()
@@ -172,6 +174,58 @@ class Eagle3(Drafter):
             if i + 1 < steps:
                 feature, logits = self._step(cache, token[:, None], feature, cache.length)
         return torch.stack(tokens, 1), torch.stack(probs, 1)
+
+
+    @torch.no_grad()
+    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int):
+        """EAGLE-2 dynamic tree from the last context entry: at each depth expand the `topk` best
+        nodes by cumulative draft log-probability (one drafter forward for all of them), then keep
+        the `total` best nodes overall. Returns (tokens [total] target ids, parents [total]) in
+        topological order, parents indexing 1..total with 0 = the root (the last committed token)."""
+        context, device = cache.length, logits.device
+        log_probs = torch.log_softmax(logits[0, -1].float(), -1)
+        scores, drafts = log_probs.topk(topk)
+        node_tokens, node_parents, node_scores = [drafts], [torch.zeros(topk, dtype=torch.long, device=device)], [scores]
+        parent_of = [-1] + [0] * topk  # node 0 is the root
+        frontier = list(range(1, topk + 1))
+        frontier_features = feature.expand(1, topk, -1)
+        cached: list[int] = []  # tree nodes with an entry in the drafter cache, in cache order
+        for level in range(1, depth):
+            # each frontier node sees the context, its cached ancestors and itself
+            mask = torch.zeros(len(frontier), context + len(cached) + len(frontier), dtype=torch.bool, device=device)
+            mask[:, :context] = True
+            for row, node in enumerate(frontier):
+                ancestors, up = set(), parent_of[node]
+                while up > 0:
+                    ancestors.add(up)
+                    up = parent_of[up]
+                for column, other in enumerate(cached):
+                    mask[row, context + column] = other in ancestors
+                mask[row, context + len(cached) + row] = True
+            tokens = torch.cat(node_tokens)[torch.tensor(frontier, device=device) - 1]
+            positions = torch.full((1, len(frontier)), context + level - 1, device=device)
+            features, step_logits = self._step(cache, (tokens + self.d2t[tokens])[None], frontier_features, 0, positions, mask)
+            cached += frontier
+            child_scores, child_drafts = torch.log_softmax(step_logits[0].float(), -1).topk(topk)
+            parent_scores = torch.cat(node_scores)[torch.tensor(frontier, device=device) - 1]
+            best_scores, best = (parent_scores[:, None] + child_scores).flatten().topk(topk)
+            rows = best // topk
+            first_new = len(parent_of)
+            parents = torch.tensor(frontier, device=device)[rows]
+            node_tokens.append(child_drafts.flatten()[best])
+            node_parents.append(parents)
+            node_scores.append(best_scores)
+            parent_of += parents.tolist()
+            frontier = list(range(first_new, first_new + topk))
+            frontier_features = features[:, rows]
+        scores = torch.cat(node_scores)
+        # stable sort: on equal scores a parent (lower index) ranks before its child, so the kept
+        # set is closed under ancestors
+        keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:total]).values + 1
+        renumber = torch.zeros(len(parent_of), dtype=torch.long, device=device)
+        renumber[keep] = torch.arange(1, len(keep) + 1, device=device)
+        drafts = torch.cat(node_tokens)[keep - 1]
+        return drafts + self.d2t[drafts], renumber[torch.cat(node_parents)[keep - 1]]
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -49,13 +49,14 @@ class DraftCache:
         if self.keys is not None:
             self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Append the new entries, then causal attention of the new queries over the whole cache."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+        """Append the new entries, then attention of the new queries over the whole cache: causal,
+        or `mask` [new, total] (True = visible) for tree drafting."""
         start = self.length
         self.keys = k if self.keys is None else torch.cat([self.keys, k], -2)
         self.values = v if self.values is None else torch.cat([self.values, v], -2)
-        new, total = q.shape[-2], self.keys.shape[-2]
-        mask = torch.ones(new, total, dtype=torch.bool, device=q.device).tril(start)
+        if mask is None:
+            mask = torch.ones(q.shape[-2], self.keys.shape[-2], dtype=torch.bool, device=q.device).tril(start)
         return torch.nn.functional.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
 
 

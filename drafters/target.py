@@ -158,11 +158,13 @@ class Target:
             )
 
     @torch.no_grad()  # not inference_mode: drafters keep these tensors in their autograd graph
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers, cache=None) -> tuple[list, torch.Tensor]:
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers, cache=None,
+                position_ids: torch.Tensor | None = None) -> tuple[list, torch.Tensor]:
         """Run the body once; return the hidden states entering `layers` and the final (normed) state.
 
         With a `cache` (an HF DynamicCache) the input continues the cached sequence and the cache
-        grows by its length: the serving engine's prefill and verification forwards."""
+        grows by its length: the serving engine's prefill and verification forwards (a tree of
+        candidates passes a 4D boolean `attention_mask` and its nodes' `position_ids`)."""
         self.check_layers(layers)
         captured: dict[int, torch.Tensor] = {}
         hooks = []
@@ -176,7 +178,7 @@ class Target:
                 hook = self.model.model.norm.register_forward_pre_hook(lambda _m, args, k=k: captured.__setitem__(k, args[0]))
             hooks.append(hook)
         try:
-            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask,
+            out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                    cache=cache, use_cache=cache is not None)
         finally:
             for hook in hooks:

@@ -42,7 +42,7 @@ def prompt_lookup(target, ids, cfg) -> tuple[int, float]:
 
 
 def run_set(target, drafter, prompts, cfg) -> dict:
-    from serving.engine import generate_chain, generate_plain
+    from serving.engine import generate_spec, generate_plain
     from serving.run import chat_prompt
 
     eos = {target.tokenizer.eos_token_id}
@@ -57,8 +57,9 @@ def run_set(target, drafter, prompts, cfg) -> dict:
             if kind == "plain":
                 runs[kind] = generate_plain(target, ids, cfg.max_new_tokens, eos)
             else:
-                runs[kind] = generate_chain(target, drafter, ids, cfg.max_new_tokens, eos, steps=cfg.steps,
-                                            min_prob=cfg.min_prob)
+                runs[kind] = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, draft=cfg.draft,
+                                           steps=cfg.steps, min_prob=cfg.min_prob, depth=cfg.depth, topk=cfg.topk,
+                                           total=cfg.total_tokens)
         (plain, plain_stats), (spec, spec_stats) = runs["plain"], runs["spec"]
         if cfg.prompt_lookup_tokens > 0:
             tokens, seconds = prompt_lookup(target, ids, cfg)
@@ -140,7 +141,8 @@ def main(cfg: DictConfig) -> None:
     generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
     results = {
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": cfg.dtype, "draft": cfg.draft,
-                   "steps": cfg.steps, "min_prob": cfg.min_prob, "temperature": cfg.temperature,
+                   "steps": cfg.steps, "min_prob": cfg.min_prob,
+                   "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
                    "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
                    "prompt_lookup_tokens": cfg.prompt_lookup_tokens},
         "datasets": {},

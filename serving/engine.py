@@ -1,8 +1,9 @@
-"""Speculative generation in one short loop (batch size 1, chain drafts, greedy verification).
+"""Speculative generation in one short loop (batch size 1, chain or tree drafts, greedy verification).
 
-    prefill -> repeat { drafter proposes K tokens; ONE target forward over [last token, drafts];
+    prefill -> repeat { drafter proposes a chain or a tree; ONE target forward over [last token, drafts]
+                        under a tree attention mask;
                         verify (kernels); commit accepted drafts + the bonus token;
-                        crop both KV caches to what was accepted; feed the drafter the new features }
+                        compact + crop both KV caches to the accepted path; feed the drafter the new features }
 
 Greedy verification keeps exactly the target's greedy output: a draft is kept only if it is the
 target's own argmax after the accepted prefix, and the bonus token is the target's argmax.
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kernels import greedy_verify
+from kernels import compact_kv_caches, greedy_verify, tree_ancestors
 
 
 @dataclass
@@ -71,12 +72,15 @@ def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: s
 
 
 @torch.no_grad()
-def generate_chain(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int],
-                   steps: int = 7, min_prob: float = 0.0):
-    """Speculative greedy decoding with a chain of up to `steps` drafts per target forward.
+def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
+                  draft: str = "chain", steps: int = 7, min_prob: float = 0.0, depth: int = 6, topk: int = 8,
+                  total: int = 48):
+    """Speculative greedy decoding.
 
-    `min_prob` > 0 turns on dynamic draft length: the chain stops at the first draft whose
-    draft probability falls below it (the drafter's own confidence)."""
+    draft="chain": up to `steps` drafts per target forward; `min_prob` > 0 turns on dynamic draft
+    length (the chain stops at the first draft whose draft probability falls below it).
+    draft="tree": an EAGLE-2 dynamic tree (`depth` levels, `topk` expansions per level, the
+    `total` best nodes verified at once under a tree attention mask)."""
     began = time.perf_counter()
     layers = drafter.capture_layers()
     cache, draft_cache = DynamicCache(), drafter.new_cache()
@@ -86,30 +90,38 @@ def generate_chain(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: in
     # drafter context: features of positions 0..P-1, each with the token that followed it
     feature, logits = drafter.extend(draft_cache, aux, torch.cat([prompt_ids[:, 1:], last], 1))
     stats = Stats(target_forwards=1)  # the prefill forward gave the first token
+    device = prompt_ids.device
     done = tokens[0] in eos or max_new_tokens <= 1
     while not done:
         length = cache.get_seq_length()  # target positions in cache; `last` sits at `length`
-        drafts, probs = drafter.propose_chain(draft_cache, feature, logits, steps)
-        if min_prob > 0:
-            keep = max(int((probs[0] >= min_prob).cumprod(0).sum()), 1)
-            drafts = drafts[:, :keep]
-        candidates = torch.cat([last, drafts], 1)
-        aux, final = target.capture(candidates, None, layers, cache=cache)
-        parents = torch.arange(-1, candidates.shape[1] - 1, device=candidates.device)[None]
-        _, accepted, bonus = greedy_verify(target.logits(final), candidates, parents)
+        if draft == "tree":
+            drafts, parents = drafter.propose_tree(draft_cache, feature, logits, depth, topk, total)
+        else:
+            drafts, probs = drafter.propose_chain(draft_cache, feature, logits, steps)
+            keep = max(int((probs[0] >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else steps
+            drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
+        draft_cache.crop(length)  # drop the drafter's speculative entries
+        candidates = torch.cat([last, drafts[None]], 1)
+        parents = torch.cat([torch.tensor([-1], device=device), parents])[None]
+        visible = tree_ancestors(parents)  # a node sees its ancestors (a chain: causal)
+        mask = torch.cat([torch.ones(1, candidates.shape[1], length, dtype=torch.bool, device=device), visible], -1)
+        aux, final = target.capture(candidates, mask[:, None], layers, cache=cache,
+                                    position_ids=length + visible.sum(-1) - 1)
+        path, accepted, bonus = greedy_verify(target.logits(final), candidates, parents)
         accepted = int(accepted)
-        new = drafts[0, :accepted].tolist() + [int(bonus)]
+        nodes = path[0, : accepted + 1]
         stats.target_forwards += 1
-        stats.count(drafts.shape[1], accepted)
-        # keep target entries of [last, accepted drafts]; drafter entries of context only
+        stats.count(int(visible.sum(-1).max()) - 1, accepted)
+        # the accepted path's target entries move to contiguous positions; the rest is dropped
+        if draft == "tree":
+            compact_kv_caches([(layer.keys, layer.values) for layer in cache.layers], (length + nodes)[None],
+                              torch.tensor([length], device=device), torch.tensor([accepted + 1], device=device))
         rejected = cache.get_seq_length() - (length + accepted + 1)
         if rejected:
             cache.crop(-rejected)  # transformers 5: a negative count of tokens to drop
-        draft_cache.crop(length)
+        new = candidates[0, nodes[1:]].tolist() + [int(bonus)]
         last = bonus.view(1, 1)
-        feature, logits = drafter.extend(
-            draft_cache, [a[:, : accepted + 1] for a in aux], torch.tensor([new], device=candidates.device)
-        )
+        feature, logits = drafter.extend(draft_cache, [a[:, nodes] for a in aux], torch.tensor([new], device=device))
         tokens.extend(new)
         tokens, done = _finish(tokens, eos, max_new_tokens)
     stats.new_tokens = len(tokens)

@@ -19,7 +19,7 @@ def chat_prompt(tokenizer, text: str):
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
     from serving import artifact
-    from serving.engine import generate_chain, generate_plain
+    from serving.engine import generate_spec, generate_plain
 
     try:
         target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
@@ -28,7 +28,8 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
     eos = {target.tokenizer.eos_token_id}
-    tokens, stats = generate_chain(target, drafter, ids, cfg.max_new_tokens, eos, steps=cfg.steps, min_prob=cfg.min_prob)
+    tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, draft=cfg.draft, steps=cfg.steps,
+                                  min_prob=cfg.min_prob, depth=cfg.depth, topk=cfg.topk, total=cfg.total_tokens)
     print(target.tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"\n[spec] {stats.new_tokens} tokens, {stats.target_forwards} target forwards, "
           f"acceptance length {stats.accept_len:.2f}, {stats.new_tokens / stats.seconds:.1f} tokens/s")

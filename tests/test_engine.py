@@ -6,7 +6,7 @@ import torch
 from conftest import compose_train
 from drafters.base import build_drafter
 from drafters.vocab import build_draft_vocab
-from serving.engine import generate_chain, generate_plain
+from serving.engine import generate_spec, generate_plain
 
 PROMPTS = ["Explain KV caches in one paragraph.", "Write a haiku about the sea.", "What is 17 * 23?"]
 
@@ -38,10 +38,34 @@ def test_chain_equals_plain_greedy_on_tiny_target(tiny_target, plain_outputs, st
     for text in PROMPTS:
         ids = chat_ids(tiny_target, text)
         plain, plain_stats = plain_outputs[text]
-        spec, stats = generate_chain(tiny_target, drafter, ids, 32, eos, steps=steps, min_prob=min_prob)
+        spec, stats = generate_spec(tiny_target, drafter, ids, 32, eos, steps=steps, min_prob=min_prob)
         assert spec == plain
         assert stats.new_tokens == len(plain) and plain_stats.accept_len == 1.0
         assert 1.0 <= stats.accept_len <= steps + 1
+
+
+@pytest.mark.parametrize("depth,topk,total", [(2, 2, 3), (4, 3, 10), (6, 4, 24)])
+def test_tree_equals_plain_greedy_on_tiny_target(tiny_target, plain_outputs, depth, topk, total):
+    drafter = head_for(tiny_target, 2048)
+    eos = {tiny_target.tokenizer.eos_token_id}
+    for text in PROMPTS:
+        spec, stats = generate_spec(tiny_target, drafter, chat_ids(tiny_target, text), 32, eos, draft="tree",
+                                    depth=depth, topk=topk, total=total)
+        assert spec == plain_outputs[text][0]
+        assert 1.0 <= stats.accept_len <= depth + 1
+
+
+def test_tree_proposal_shape_and_order(tiny_target):
+    drafter = head_for(tiny_target, 2048)
+    ids = chat_ids(tiny_target, PROMPTS[0])
+    cache = drafter.new_cache()
+    aux, _ = tiny_target.capture(ids, None, drafter.capture_layers())
+    feature, logits = drafter.extend(cache, aux, torch.cat([ids[:, 1:], ids[:, :1]], 1))
+    tokens, parents = drafter.propose_tree(cache, feature, logits, depth=4, topk=3, total=10)
+    assert tokens.shape == parents.shape == (10,)
+    assert all(0 <= int(p) <= i for i, p in enumerate(parents))  # topological: parent before child
+    assert bool(drafter.t2d[tokens].all())  # target ids of draft-vocabulary tokens
+    assert cache.length > ids.shape[1]  # the proposal wrote speculative entries (the engine crops them)
 
 
 def test_acceptance_bookkeeping(tiny_target):
@@ -49,7 +73,7 @@ def test_acceptance_bookkeeping(tiny_target):
     drafter = head_for(tiny_target, 2048)
     eos = {tiny_target.tokenizer.eos_token_id}
     ids = chat_ids(tiny_target, PROMPTS[0])
-    _, stats = generate_chain(tiny_target, drafter, ids, 30, eos, steps=3)
+    _, stats = generate_spec(tiny_target, drafter, ids, 30, eos, steps=3)
     assert sum(stats.proposed_by_pos) >= 1
     assert all(a <= p for a, p in zip(stats.accepted_by_pos, stats.proposed_by_pos))
     # acceptance is monotone along the chain: a draft is only accepted after its predecessor
@@ -63,6 +87,38 @@ def test_max_new_tokens_and_eos_stop_like_plain(tiny_target):
     stop = {plain[9]}  # pretend the 10th token is EOS: both must stop right after its first use
     expected = plain[: plain.index(plain[9]) + 1]
     for max_new in (1, 2, 5):
-        assert generate_chain(tiny_target, drafter, ids, max_new, set(), steps=4)[0] == plain[:max_new]
+        assert generate_spec(tiny_target, drafter, ids, max_new, set(), steps=4)[0] == plain[:max_new]
     assert generate_plain(tiny_target, ids, 25, stop)[0] == expected
-    assert generate_chain(tiny_target, drafter, ids, 25, stop, steps=4)[0] == expected
+    assert generate_spec(tiny_target, drafter, ids, 25, stop, steps=4)[0] == expected
+
+
+class OracleTree:
+    """Wraps a drafter; its tree hides the target's true continuation in the SECOND branch, so the
+    accepted path is non-contiguous and the engine must compact the target cache to stay lossless."""
+
+    def __init__(self, drafter, prompt_length, continuation, vocab_size):
+        self.drafter, self.prompt_length, self.continuation, self.vocab_size = drafter, prompt_length, continuation, vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose_tree(self, cache, feature, logits, depth, topk, total):
+        start = cache.length - self.prompt_length + 1  # index of the next token to generate
+        right = self.continuation[start : start + 4]
+        right = right + [0] * (4 - len(right))
+        wrong = [(t + 1) % self.vocab_size for t in right[:3]]
+        tokens = torch.tensor(wrong + right)
+        parents = torch.tensor([0, 1, 2, 0, 4, 5, 6])
+        return tokens, parents
+
+
+def test_tree_accepting_a_later_branch_compacts_the_cache(tiny_target, plain_outputs):
+    drafter = head_for(tiny_target, 2048)
+    eos = {tiny_target.tokenizer.eos_token_id}
+    text = PROMPTS[0]
+    plain = plain_outputs[text][0]
+    ids = chat_ids(tiny_target, text)
+    oracle = OracleTree(drafter, ids.shape[1], plain, tiny_target.spec.vocab_size)
+    spec, stats = generate_spec(tiny_target, oracle, ids, 32, eos, draft="tree")
+    assert spec == plain
+    assert stats.accept_len >= 4.0  # 4 drafts + the bonus per forward (1 + 7 x 5 tokens, cut at 32)

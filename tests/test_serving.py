@@ -12,7 +12,7 @@ from conftest import compose_train
 from drafters.errors import UserError
 from drafters.target import load_target
 from serving import artifact
-from serving.engine import generate_chain, generate_plain
+from serving.engine import generate_spec, generate_plain
 from test_engine import PROMPTS, chat_ids, head_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ def test_artifact_round_trip_generates_losslessly(checkpoint, tiny_target):
     assert drafter.capture_layers() == [2, 4, 5]
     eos = {target.tokenizer.eos_token_id}
     ids = chat_ids(target, PROMPTS[0])
-    assert generate_chain(target, drafter, ids, 24, eos)[0] == generate_plain(target, ids, 24, eos)[0]
+    assert generate_spec(target, drafter, ids, 24, eos)[0] == generate_plain(target, ids, 24, eos)[0]
 
 
 def test_artifact_for_another_target_is_refused(checkpoint):
@@ -88,6 +88,6 @@ def test_smollm2_chain_is_lossless_in_float32():
     for text in PROMPTS[:2]:
         ids = chat_ids(target, text)
         plain, _ = generate_plain(target, ids, 24, eos)
-        spec, stats = generate_chain(target, drafter, ids, 24, eos, steps=5)
+        spec, stats = generate_spec(target, drafter, ids, 24, eos, steps=5)
         assert spec == plain, text
         assert stats.accept_len >= 1.0

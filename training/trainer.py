@@ -123,14 +123,14 @@ def evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id) -> dict
 def measured_accept_len(drafter, target, eval_set, cfg) -> float:
     """Real acceptance: the serving engine generates from held-out prompts (the text before the
     first answer), greedy, chain of the drafter's K; tokens committed per target forward."""
-    from serving.engine import generate_chain
+    from serving.engine import generate_spec
 
     eos = {target.tokenizer.eos_token_id}
     tokens = forwards = 0
     for example in eval_set.select(range(min(cfg.trainer.eval_accept_prompts, len(eval_set)))):
         first_answer = example["loss_mask"].index(1)
         prompt = torch.tensor([example["input_ids"][:first_answer]], device=target.device)
-        _, stats = generate_chain(target, drafter, prompt, cfg.trainer.eval_accept_tokens, eos,
+        _, stats = generate_spec(target, drafter, prompt, cfg.trainer.eval_accept_tokens, eos,
                                   steps=int(cfg.drafter.get("ttt_steps", 7)))
         tokens += stats.new_tokens
         forwards += stats.target_forwards
