@@ -41,6 +41,17 @@ def test_artifact_round_trip_generates_losslessly(checkpoint, tiny_target):
     assert generate_spec(target, drafter, ids, 24, eos)[0] == generate_plain(target, ids, 24, eos)[0]
 
 
+def test_prompt_longer_than_training_length(checkpoint, tiny_target):
+    """The checkpoint was trained on sequences of at most 128 tokens; serving must not care."""
+    target, drafter = artifact.load(checkpoint, target=tiny_target)
+    ids = chat_ids(target, " ".join(PROMPTS * 12))
+    assert ids.shape[1] > 300
+    eos = {target.tokenizer.eos_token_id}
+    plain = generate_plain(target, ids, 16, eos)[0]
+    for draft in ("chain", "tree"):
+        assert generate_spec(target, drafter, ids, 16, eos, draft=draft, depth=3, topk=3, total=8)[0] == plain
+
+
 def test_artifact_for_another_target_is_refused(checkpoint):
     other = load_target(compose_train(["target=tiny_llama", "target.random_init.hidden_size=32",
                                        "target.random_init.head_dim=8"]).target)
