@@ -11,6 +11,7 @@ import json
 import os
 
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from drafters.base import drafter_class
@@ -27,8 +28,12 @@ def read(path: str) -> tuple[dict, dict]:
     for required in (state_file, weights_file):
         if not os.path.isfile(required):
             raise UserError(f"artifact {path} is incomplete: missing {os.path.basename(required)}")
-    with open(state_file) as handle:
-        return json.load(handle), load_file(weights_file)
+    try:
+        with open(state_file) as handle:
+            state = json.load(handle)
+        return state, load_file(weights_file)
+    except (json.JSONDecodeError, OSError, SafetensorError) as error:
+        raise UserError(f"artifact {path} is unreadable ({str(error).splitlines()[0]})") from None
 
 
 def load(path: str, target: Target | None = None, dtype: str | None = None):

@@ -91,6 +91,19 @@ def test_missing_artifact_is_one_clear_line(tmp_path):
         assert result.stderr.strip().splitlines()[-1] == f"error: artifact not found: {tmp_path / 'nope'}"
 
 
+def test_corrupt_artifact_is_one_clear_error(checkpoint, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "trainer_state.json").write_text("{not json")
+    (broken / "model.safetensors").write_bytes(open(os.path.join(checkpoint, "model.safetensors"), "rb").read())
+    with pytest.raises(UserError, match="unreadable"):
+        artifact.read(str(broken))
+    (broken / "trainer_state.json").write_text("{}")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="unreadable"):
+        artifact.read(str(broken))
+
+
 @pytest.mark.slow
 def test_smollm2_chain_is_lossless_in_float32():
     target = load_target(compose_train(["target=llama", "target.dtype=float32"]).target)
