@@ -101,6 +101,12 @@ def build_drafter(cfg: DictConfig, target: Target, vocab: DraftVocab) -> Drafter
     return drafter
 
 
+def greedy_draw(logits: torch.Tensor):
+    """The most likely draft token and the draft distribution (its max is the drafter's confidence)."""
+    dist = torch.softmax(logits.float(), -1)
+    return dist.argmax(-1), dist
+
+
 def sim_accept_len(acc: list[float]) -> float:
     """Expected accepted tokens per target forward for a chain: 1 (bonus) + sum_k prod_{i<=k} acc_i."""
     total, prod = 1.0, 1.0

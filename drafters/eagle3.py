@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from drafters.base import Captured, Drafter, register
+from drafters.base import Captured, Drafter, greedy_draw, register
 from drafters.layers import DraftCache, draft_layer_config, ttt_attention
 
 
@@ -162,19 +162,20 @@ class Eagle3(Drafter):
         return feature[:, -1:], logits[:, -1:]
 
     @torch.no_grad()
-    def propose_chain(self, cache: DraftCache, feature, logits, steps: int):
-        """Greedy chain of `steps` drafts (target ids) from the last context entry, feeding the
-        drafter's own feature back (what TTT trained for). Also returns each draft's probability."""
-        tokens, probs = [], []
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
+        """A chain of `steps` drafts (target ids) from the last context entry, feeding the drafter's
+        own feature back (what TTT trained for). `draw(logits) -> (draft ids, distribution)` picks
+        each draft (default: greedy); also returns the distributions [B, steps, V_draft] they came from."""
+        draw = draw or greedy_draw
+        tokens, dists = [], []
         for i in range(steps):
-            prob, draft = torch.softmax(logits[:, -1].float(), -1).max(-1)
+            draft, dist = draw(logits[:, -1])
             token = draft + self.d2t[draft]
             tokens.append(token)
-            probs.append(prob)
+            dists.append(dist)
             if i + 1 < steps:
                 feature, logits = self._step(cache, token[:, None], feature, cache.length)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
-
+        return torch.stack(tokens, 1), torch.stack(dists, 1)
 
     @torch.no_grad()
     def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int):

@@ -36,30 +36,30 @@ def prompt_lookup(target, ids, cfg) -> tuple[int, float]:
     """transformers' own zero-training alternative: n-gram drafts copied from the prompt."""
     began = time.perf_counter()
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-                                do_sample=False, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens,
+                                do_sample=cfg.temperature > 0, temperature=cfg.temperature or None,
+                                top_p=cfg.top_p, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens,
                                 pad_token_id=target.tokenizer.pad_token_id)
     return out.shape[1] - ids.shape[1], time.perf_counter() - began
 
 
 def run_set(target, drafter, prompts, cfg) -> dict:
     from serving.engine import generate_spec, generate_plain
-    from serving.run import chat_prompt
+    from serving.run import chat_prompt, sampler, spec_options
 
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
               "lookup_s": 0.0, "lookup_tokens": 0}
     proposed, accepted, outcomes, gaps = [], [], [], []
+    options, plain_sampler = spec_options(cfg), sampler(cfg)
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         ids = chat_prompt(target.tokenizer, text).to(target.device)
         runs = {}
         order = ("plain", "spec") if index % 2 == 0 else ("spec", "plain")  # neither always goes first
         for kind in order:
             if kind == "plain":
-                runs[kind] = generate_plain(target, ids, cfg.max_new_tokens, eos)
+                runs[kind] = generate_plain(target, ids, cfg.max_new_tokens, eos, plain_sampler)
             else:
-                runs[kind] = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, draft=cfg.draft,
-                                           steps=cfg.steps, min_prob=cfg.min_prob, depth=cfg.depth, topk=cfg.topk,
-                                           total=cfg.total_tokens)
+                runs[kind] = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **options)
         (plain, plain_stats), (spec, spec_stats) = runs["plain"], runs["spec"]
         if cfg.prompt_lookup_tokens > 0:
             tokens, seconds = prompt_lookup(target, ids, cfg)
@@ -76,10 +76,11 @@ def run_set(target, drafter, prompts, cfg) -> dict:
                 accepted.append(0)
             proposed[k] += p
             accepted[k] += a
-        outcome, gap = compare(plain, spec, plain_stats.margins, cfg.dtype == "float32", cfg.tie_tolerance)
-        outcomes.append(outcome)
-        if gap is not None:
-            gaps.append(round(gap, 4))
+        if cfg.temperature <= 0:  # sampled outputs differ by chance: nothing to compare
+            outcome, gap = compare(plain, spec, plain_stats.margins, cfg.dtype == "float32", cfg.tie_tolerance)
+            outcomes.append(outcome)
+            if gap is not None:
+                gaps.append(round(gap, 4))
     plain_rate = totals["plain_tokens"] / totals["plain_s"]
     spec_rate = totals["spec_tokens"] / totals["spec_s"]
     result = {
@@ -89,9 +90,9 @@ def run_set(target, drafter, prompts, cfg) -> dict:
         "tokens_per_s_spec": spec_rate,
         "tokens_per_s_plain": plain_rate,
         "speedup": spec_rate / plain_rate,
-        "identical": outcomes.count("identical") / len(outcomes),
-        "near_tie_divergences": outcomes.count("near_tie"),
-        "unexplained_divergences": outcomes.count("unexplained"),
+        "identical": outcomes.count("identical") / len(outcomes) if outcomes else None,
+        "near_tie_divergences": outcomes.count("near_tie") if outcomes else None,
+        "unexplained_divergences": outcomes.count("unexplained") if outcomes else None,
         "divergence_top2_gaps": gaps,
         "new_tokens_spec": totals["spec_tokens"],
         "new_tokens_plain": totals["plain_tokens"],
@@ -143,15 +144,20 @@ def main(cfg: DictConfig) -> None:
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": cfg.dtype, "draft": cfg.draft,
                    "steps": cfg.steps, "min_prob": cfg.min_prob,
                    "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
-                   "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
+                   "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
                    "prompt_lookup_tokens": cfg.prompt_lookup_tokens},
         "datasets": {},
     }
     for name, prompts in sets.items():
-        results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg)
+        try:
+            results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg)
+        except UserError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        same = (f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}"
+                if result["identical"] is not None else "sampled (outputs not compared)")
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "
-              f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), "
-              f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}"
+              f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), {same}"
               + (f"; prompt lookup {result['speedup_prompt_lookup']:.2f}x" if "speedup_prompt_lookup" in result else ""))
     with open(cfg.out, "w") as handle:
         json.dump(results, handle, indent=1)

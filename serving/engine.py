@@ -1,12 +1,14 @@
-"""Speculative generation in one short loop (batch size 1, chain or tree drafts, greedy verification).
+"""Speculative generation in one short loop (batch size 1, chain or tree drafts).
 
     prefill -> repeat { drafter proposes a chain or a tree; ONE target forward over [last token, drafts]
                         under a tree attention mask;
                         verify (kernels); commit accepted drafts + the bonus token;
                         compact + crop both KV caches to the accepted path; feed the drafter the new features }
 
-Greedy verification keeps exactly the target's greedy output: a draft is kept only if it is the
-target's own argmax after the accepted prefix, and the bonus token is the target's argmax.
+Greedy verification (temperature 0) keeps exactly the target's greedy output: a draft is kept only
+if it is the target's own argmax after the accepted prefix, and the bonus token is the target's
+argmax. Sampling (temperature > 0, top-p) keeps the target's distribution: draft x drawn from q is
+accepted with probability min(1, p(x)/q(x)), else the token is drawn from normalize(max(0, p - q)).
 """
 
 from __future__ import annotations
@@ -17,7 +19,47 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kernels import compact_kv_caches, greedy_verify, tree_ancestors
+from drafters.base import greedy_draw
+from drafters.errors import UserError
+from kernels import compact_kv_caches, greedy_verify, rejection_verify, tree_ancestors
+
+
+@dataclass
+class Sampler:
+    """How the next token is chosen from logits: greedy (temperature 0) or temperature + top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from: softmax(logits / T), cut to the top-p nucleus."""
+        probs = torch.softmax(logits.float() / self.temperature, -1)
+        if self.top_p < 1:
+            ranked, order = probs.sort(-1, descending=True)
+            # keep the smallest prefix of the ranking whose mass reaches top_p (always the top token)
+            ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked >= self.top_p, 0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, ranked)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+    def draw(self, logits: torch.Tensor):
+        """(token ids [...], the distribution they were drawn from); greedy: argmax, softmax."""
+        if self.greedy:
+            return greedy_draw(logits)
+        dist = self.probs(logits)
+        flat = dist.reshape(-1, dist.shape[-1])
+        return torch.multinomial(flat, 1, generator=self.generator).view(dist.shape[:-1]), dist
+
+    def uniforms(self, *shape: int, device=None) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.generator, device=device)
+
+
+GREEDY = Sampler()
 
 
 @dataclass
@@ -52,18 +94,19 @@ def _finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list
 
 
 @torch.no_grad()
-def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int]):
-    """Greedy decoding with the target alone, token by token, on the same forward path."""
+def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler = GREEDY):
+    """Decoding with the target alone, token by token, on the same forward path."""
     began = time.perf_counter()
     cache = DynamicCache()
     _, final = target.capture(prompt_ids, None, [], cache=cache)
     tokens: list[int] = []
     margins: list[float] = []
     while True:
-        top = target.logits(final[:, -1]).float().topk(2, -1)
-        token = int(top.indices[0, 0])
+        logits = target.logits(final[:, -1])
+        token = int(sampler.draw(logits)[0])
         tokens.append(token)
-        margins.append(float(top.values[0, 0] - top.values[0, 1]))
+        top = logits.float().topk(2, -1).values
+        margins.append(float(top[0, 0] - top[0, 1]))
         if token in eos or len(tokens) >= max_new_tokens:
             break
         _, final = target.capture(torch.tensor([[token]], device=prompt_ids.device), None, [], cache=cache)
@@ -74,18 +117,22 @@ def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: s
 @torch.no_grad()
 def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
                   draft: str = "chain", steps: int = 7, min_prob: float = 0.0, depth: int = 6, topk: int = 8,
-                  total: int = 48):
-    """Speculative greedy decoding.
+                  total: int = 48, sampler: Sampler = GREEDY):
+    """Speculative decoding.
 
     draft="chain": up to `steps` drafts per target forward; `min_prob` > 0 turns on dynamic draft
-    length (the chain stops at the first draft whose draft probability falls below it).
+    length (drafting stops where the drafter's confidence, its top probability, falls below it).
     draft="tree": an EAGLE-2 dynamic tree (`depth` levels, `topk` expansions per level, the
     `total` best nodes verified at once under a tree attention mask)."""
+    if draft == "tree" and not sampler.greedy:
+        # EAGLE-2 keeps the top-k children, which are not draws from q: rejection sampling over
+        # them would not preserve the target distribution
+        raise UserError("draft=tree verifies greedily only; use draft=chain for temperature > 0")
     began = time.perf_counter()
     layers = drafter.capture_layers()
     cache, draft_cache = DynamicCache(), drafter.new_cache()
     aux, final = target.capture(prompt_ids, None, layers, cache=cache)
-    last = target.logits(final[:, -1]).argmax(-1, keepdim=True)  # the first token, from prefill
+    last = sampler.draw(target.logits(final[:, -1]))[0][:, None]  # the first token, from prefill
     tokens = [int(last)]
     # drafter context: features of positions 0..P-1, each with the token that followed it
     feature, logits = drafter.extend(draft_cache, aux, torch.cat([prompt_ids[:, 1:], last], 1))
@@ -97,8 +144,9 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         if draft == "tree":
             drafts, parents = drafter.propose_tree(draft_cache, feature, logits, depth, topk, total)
         else:
-            drafts, probs = drafter.propose_chain(draft_cache, feature, logits, steps)
-            keep = max(int((probs[0] >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else steps
+            drafts, dists = drafter.propose_chain(draft_cache, feature, logits, steps, sampler.draw)
+            # decided from the draft distributions, not from the drawn tokens, so sampling stays exact
+            keep = max(int((dists[0].amax(-1) >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else steps
             drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
         draft_cache.crop(length)  # drop the drafter's speculative entries
         candidates = torch.cat([last, drafts[None]], 1)
@@ -107,7 +155,16 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         mask = torch.cat([torch.ones(1, candidates.shape[1], length, dtype=torch.bool, device=device), visible], -1)
         aux, final = target.capture(candidates, mask[:, None], layers, cache=cache,
                                     position_ids=length + visible.sum(-1) - 1)
-        path, accepted, bonus = greedy_verify(target.logits(final), candidates, parents)
+        target_logits = target.logits(final)
+        if sampler.greedy:
+            path, accepted, bonus = greedy_verify(target_logits, candidates, parents)
+        else:
+            nodes = candidates.shape[1]
+            draft_probs = torch.zeros(1, nodes, target.spec.vocab_size, device=device)
+            draft_probs[0, :keep, drafter.vocab.draft_ids.to(device)] = dists[0, :keep]  # node i's child came from dists[i]
+            path, accepted, bonus = rejection_verify(sampler.probs(target_logits), draft_probs, candidates, parents,
+                                                     sampler.uniforms(1, nodes, device=device),
+                                                     sampler.uniforms(1, nodes, device=device))
         accepted = int(accepted)
         nodes = path[0, : accepted + 1]
         stats.target_forwards += 1

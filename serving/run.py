@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from drafters.errors import UserError
@@ -14,6 +15,18 @@ def chat_prompt(tokenizer, text: str):
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def sampler(cfg: DictConfig):
+    from serving.engine import Sampler
+
+    return Sampler(cfg.temperature, cfg.top_p, torch.Generator().manual_seed(cfg.seed))
+
+
+def spec_options(cfg: DictConfig) -> dict:
+    """generate_spec's keyword arguments from a serve/bench config."""
+    return dict(draft=cfg.draft, steps=cfg.steps, min_prob=cfg.min_prob, depth=cfg.depth, topk=cfg.topk,
+                total=cfg.total_tokens, sampler=sampler(cfg))
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")
@@ -28,16 +41,21 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
     eos = {target.tokenizer.eos_token_id}
-    tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, draft=cfg.draft, steps=cfg.steps,
-                                  min_prob=cfg.min_prob, depth=cfg.depth, topk=cfg.topk, total=cfg.total_tokens)
+    try:
+        tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     print(target.tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"\n[spec] {stats.new_tokens} tokens, {stats.target_forwards} target forwards, "
           f"acceptance length {stats.accept_len:.2f}, {stats.new_tokens / stats.seconds:.1f} tokens/s")
     if cfg.compare_plain:
-        plain, plain_stats = generate_plain(target, ids, cfg.max_new_tokens, eos)
+        plain, plain_stats = generate_plain(target, ids, cfg.max_new_tokens, eos, sampler(cfg))
+        # sampled outputs differ by chance; only greedy outputs must be identical
+        same = plain == tokens if cfg.temperature <= 0 else "n/a (sampling)"
         print(f"[plain] {plain_stats.new_tokens / plain_stats.seconds:.1f} tokens/s; "
               f"speed-up {plain_stats.seconds / stats.seconds * stats.new_tokens / plain_stats.new_tokens:.2f}x; "
-              f"identical output: {plain == tokens}")
+              f"identical output: {same}")
 
 
 if __name__ == "__main__":

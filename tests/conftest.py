@@ -19,6 +19,15 @@ def compose_train(overrides: list[str] | None = None):
         return compose(config_name="train", overrides=overrides or [])
 
 
+def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Chi-square goodness of fit; cells the target gives zero mass must stay empty."""
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "a token with zero target probability was emitted"
+    o, e = observed[keep].double(), expected[keep].double()
+    stat, dof = ((o - e) ** 2 / e).sum(), int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     from drafters.target import load_target

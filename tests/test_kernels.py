@@ -16,6 +16,7 @@ from kernels import (
     rejection_verify_triton,
     tree_ancestors,
 )
+from conftest import chi2_pvalue
 from kernels.dispatch import use_triton
 from kernels.verify import argmax_triton
 
@@ -85,20 +86,6 @@ def naive_rejection(tp, dp, candidates, parents, uniforms, residual_uniforms):
 def assert_same(a, b):
     for x, y in zip(a, b):
         assert torch.equal(x, y), (x, y)
-
-
-def chi2_pvalue(observed, expected):
-    """Chi-square goodness of fit; cells the target gives zero mass must stay empty."""
-    keep = expected > 0
-    assert observed[~keep].sum() == 0, "a token with zero target probability was emitted"
-    o, e = observed[keep].double(), expected[keep].double()
-    stat, dof = ((o - e) ** 2 / e).sum(), int(keep.sum()) - 1
-    try:
-        from scipy.stats import chi2
-
-        return float(chi2.sf(float(stat), dof))
-    except ImportError:
-        return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
 # ------------------------------------------------------------------------------------ greedy

@@ -65,6 +65,16 @@ def test_serving_run_cli(checkpoint):
     assert "identical output: True" in result.stdout and "acceptance length" in result.stdout
 
 
+def test_serving_run_cli_sampling(checkpoint):
+    result = cli("serving.run", f"artifact={checkpoint}", "max_new_tokens=12", "dtype=float32", "prompt=Hello there",
+                 "temperature=0.8", "top_p=0.9", "steps=3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "identical output: n/a (sampling)" in result.stdout
+    tree = cli("serving.run", f"artifact={checkpoint}", "max_new_tokens=12", "draft=tree", "temperature=0.8")
+    assert tree.returncode == 2
+    assert tree.stderr.strip().splitlines()[-1].startswith("error: draft=tree verifies greedily only")
+
+
 def test_bench_json_interface(checkpoint, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n")

@@ -1,0 +1,101 @@
+"""Speculative sampling keeps the target's distribution, end to end through the engine.
+
+An 8-token target and a random EAGLE-3 head (its draft distribution differs from the target's, so
+drafts are both accepted and rejected). The joint distribution of the first three generated tokens
+over 1e5 engine runs must match the target's exact one (chi-square, p >= 0.01): token 1 comes from
+prefill, tokens 2 and 3 through draft + rejection-sampling verification.
+"""
+
+import pytest
+import torch
+
+from conftest import chi2_pvalue, compose_train
+from drafters.base import build_drafter
+from drafters.errors import UserError
+from drafters.target import load_target
+from drafters.vocab import build_draft_vocab
+from serving.engine import Sampler, generate_plain, generate_spec
+
+VOCAB, PROMPT = 8, torch.tensor([[1, 5, 3, 7]])
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={VOCAB}", "target.draft_vocab_size=6",
+                         "target.random_init.num_hidden_layers=2", "drafter.aux_layers=[0,1,2]"])
+    torch.manual_seed(0)
+    target = load_target(cfg.target)
+    # a draft vocabulary without tokens 0 and 1: the head can never propose them
+    stream = [2, 3, 4, 5, 6, 7] * 10
+    vocab = build_draft_vocab([(stream, [1] * len(stream))], VOCAB, 6, {"test": "sampling"})
+    torch.manual_seed(1)
+    drafter = build_drafter(cfg.drafter, target, vocab).eval()
+    with torch.no_grad():
+        drafter.lm_head.weight.normal_(0, 0.3)  # opinionated drafts that often disagree with the target
+    return target, drafter
+
+
+def exact_joint(target, sampler, length: int) -> torch.Tensor:
+    """p(t1, ..., t_length | PROMPT) over VOCAB**length sequences, from full forwards of every prefix."""
+    joint = torch.ones(1)
+    for step in range(length):
+        prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * step).view(-1, step) if step else torch.empty(1, 0)
+        ids = torch.cat([PROMPT.expand(len(prefixes), -1), prefixes.long()], 1)
+        _, final = target.capture(ids, None, [])
+        probs = sampler.probs(target.logits(final[:, -1]))  # [VOCAB**step, VOCAB]
+        joint = (joint[:, None] * probs).flatten()
+    return joint
+
+
+def encode(tokens: list[int]) -> int:
+    code = 0
+    for token in tokens:
+        code = code * VOCAB + token
+    return code
+
+
+@pytest.mark.slow
+# the second case (top-p + dynamic draft length) gets fewer draws to keep CI short
+@pytest.mark.parametrize("temperature,top_p,min_prob,draws", [(1.0, 1.0, 0.0, 100_000), (0.7, 0.8, 0.3, 20_000)])
+def test_spec_sampling_matches_target_distribution(small_vocab, temperature, top_p, min_prob, draws):
+    target, drafter = small_vocab
+    length = 3
+    sampler = Sampler(temperature, top_p, torch.Generator().manual_seed(0))
+    counts = torch.zeros(VOCAB**length)
+    proposed = accepted = 0
+    for _ in range(draws):
+        tokens, stats = generate_spec(target, drafter, PROMPT, length, set(), steps=2, min_prob=min_prob,
+                                      sampler=sampler)
+        counts[encode(tokens)] += 1
+        proposed += sum(stats.proposed_by_pos)
+        accepted += sum(stats.accepted_by_pos)
+    assert 0.1 < accepted / proposed < 0.9  # both the accept and the residual branch were taken
+    joint = exact_joint(target, sampler, length)
+    first = counts.view(VOCAB, -1).sum(-1)
+    assert chi2_pvalue(first, draws * joint.view(VOCAB, -1).sum(-1)) >= 0.01
+    # cells below 5 expected draws are pooled (the chi-square approximation needs counts)
+    small = draws * joint < 5
+    observed = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    expected = torch.cat([draws * joint[~small], draws * joint[small].sum(0, keepdim=True)])
+    assert chi2_pvalue(observed, expected) >= 0.01
+
+
+def test_plain_sampling_is_seeded_and_nongreedy(small_vocab):
+    target, _ = small_vocab
+    runs = [generate_plain(target, PROMPT, 16, set(), Sampler(1.0, 1.0, torch.Generator().manual_seed(seed)))[0]
+            for seed in (0, 0, 1)]
+    assert runs[0] == runs[1] != runs[2]
+    assert runs[0] != generate_plain(target, PROMPT, 16, set())[0]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = Sampler(1.0, 0.75).probs(torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log())
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    # the top token always survives, however small top_p is
+    assert torch.equal(Sampler(1.0, 1e-6).probs(torch.tensor([[0.1, 2.0, 0.3]])), torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_tree_refuses_sampling(small_vocab):
+    target, drafter = small_vocab
+    with pytest.raises(UserError, match="draft=chain"):
+        generate_spec(target, drafter, PROMPT, 4, set(), draft="tree", sampler=Sampler(1.0))
