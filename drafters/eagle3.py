@@ -178,15 +178,29 @@ class Eagle3(Drafter):
         return torch.stack(tokens, 1), torch.stack(dists, 1)
 
     @torch.no_grad()
-    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int):
+    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int, draw=None):
         """EAGLE-2 dynamic tree from the last context entry: at each depth expand the `topk` best
-        nodes by cumulative draft log-probability (one drafter forward for all of them), then keep
-        the `total` best nodes overall. Returns (tokens [total] target ids, parents [total]) in
-        topological order, parents indexing 1..total with 0 = the root (the last committed token)."""
+        nodes by cumulative draft log-probability (one drafter forward for all of them), keep the
+        `topk` best children overall, and finally the `total` best nodes.
+
+        With `draw` (sampling) each expanded node gets `topk` i.i.d. children drawn from its draft
+        distribution and keeps all of them, and the tree keeps its first `total` nodes in creation
+        order: rejection sampling over a node's children is exact only for such draws.
+
+        Returns (tokens [total] target ids, parents [total], dists) in topological order, parents
+        indexing 1..total with 0 = the root (the last committed token); dists [1 + total, V_draft]
+        holds the distribution each node's children were drawn from (None without `draw`)."""
         context, device = cache.length, logits.device
-        log_probs = torch.log_softmax(logits[0, -1].float(), -1)
-        scores, drafts = log_probs.topk(topk)
-        node_tokens, node_parents, node_scores = [drafts], [torch.zeros(topk, dtype=torch.long, device=device)], [scores]
+
+        def children(step_logits):  # [F, V_draft] -> (log-probs [F, topk], draft ids [F, topk], dists)
+            if draw is None:
+                return *torch.log_softmax(step_logits.float(), -1).topk(topk), None
+            drafts, dists = draw(step_logits[:, None].expand(-1, topk, -1))
+            return dists.gather(-1, drafts[..., None]).squeeze(-1).log(), drafts, dists[:, 0]
+
+        scores, drafts, dists = children(logits[0, -1:])
+        node_tokens, node_scores = [drafts[0]], [scores[0]]
+        node_dists = {0: dists[0]} if draw else {}
         parent_of = [-1] + [0] * topk  # node 0 is the root
         frontier = list(range(1, topk + 1))
         frontier_features = feature.expand(1, topk, -1)
@@ -207,26 +221,38 @@ class Eagle3(Drafter):
             positions = torch.full((1, len(frontier)), context + level - 1, device=device)
             features, step_logits = self._step(cache, (tokens + self.d2t[tokens])[None], frontier_features, 0, positions, mask)
             cached += frontier
-            child_scores, child_drafts = torch.log_softmax(step_logits[0].float(), -1).topk(topk)
+            child_scores, child_drafts, dists = children(step_logits[0])
+            if draw:
+                node_dists.update(zip(frontier, dists))
             parent_scores = torch.cat(node_scores)[torch.tensor(frontier, device=device) - 1]
-            best_scores, best = (parent_scores[:, None] + child_scores).flatten().topk(topk)
-            rows = best // topk
+            scores = (parent_scores[:, None] + child_scores).flatten()
+            best = scores.topk(topk).indices
+            new = torch.arange(len(scores), device=device) if draw else best  # sampling keeps every draw
             first_new = len(parent_of)
-            parents = torch.tensor(frontier, device=device)[rows]
-            node_tokens.append(child_drafts.flatten()[best])
-            node_parents.append(parents)
-            node_scores.append(best_scores)
-            parent_of += parents.tolist()
-            frontier = list(range(first_new, first_new + topk))
-            frontier_features = features[:, rows]
+            node_tokens.append(child_drafts.flatten()[new])
+            node_scores.append(scores[new])
+            parent_of += torch.tensor(frontier, device=device)[new // topk].tolist()
+            # the next frontier: the best children, by their index among the new nodes
+            frontier = (first_new + (best if draw else torch.arange(topk, device=device))).tolist()
+            frontier_features = features[:, best // topk]
         scores = torch.cat(node_scores)
-        # stable sort: on equal scores a parent (lower index) ranks before its child, so the kept
-        # set is closed under ancestors
-        keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:total]).values + 1
+        if draw:
+            keep = torch.arange(1, min(total, len(scores)) + 1, device=device)
+        else:
+            # stable sort: on equal scores a parent (lower index) ranks before its child, so the
+            # kept set is closed under ancestors
+            keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:total]).values + 1
         renumber = torch.zeros(len(parent_of), dtype=torch.long, device=device)
         renumber[keep] = torch.arange(1, len(keep) + 1, device=device)
         drafts = torch.cat(node_tokens)[keep - 1]
-        return drafts + self.d2t[drafts], renumber[torch.cat(node_parents)[keep - 1]]
+        parents = renumber[torch.tensor(parent_of, device=device)[keep]]
+        out_dists = None
+        if draw:
+            out_dists = torch.zeros(len(keep) + 1, logits.shape[-1], device=device)
+            for node, dist in node_dists.items():
+                if node == 0 or renumber[node] > 0:
+                    out_dists[renumber[node]] = dist
+        return drafts + self.d2t[drafts], parents, out_dists
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

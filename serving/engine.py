@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from drafters.base import greedy_draw
-from drafters.errors import UserError
 from kernels import compact_kv_caches, greedy_verify, rejection_verify, tree_ancestors
 
 
@@ -123,11 +123,8 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     draft="chain": up to `steps` drafts per target forward; `min_prob` > 0 turns on dynamic draft
     length (drafting stops where the drafter's confidence, its top probability, falls below it).
     draft="tree": an EAGLE-2 dynamic tree (`depth` levels, `topk` expansions per level, the
-    `total` best nodes verified at once under a tree attention mask)."""
-    if draft == "tree" and not sampler.greedy:
-        # EAGLE-2 keeps the top-k children, which are not draws from q: rejection sampling over
-        # them would not preserve the target distribution
-        raise UserError("draft=tree verifies greedily only; use draft=chain for temperature > 0")
+    `total` best nodes verified at once under a tree attention mask); when sampling, each expanded
+    node gets `topk` i.i.d. children (see Eagle3.propose_tree), so keep `topk` small (2-3)."""
     began = time.perf_counter()
     layers = drafter.capture_layers()
     cache, draft_cache = DynamicCache(), drafter.new_cache()
@@ -142,12 +139,14 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     while not done:
         length = cache.get_seq_length()  # target positions in cache; `last` sits at `length`
         if draft == "tree":
-            drafts, parents = drafter.propose_tree(draft_cache, feature, logits, depth, topk, total)
+            drafts, parents, node_dists = drafter.propose_tree(draft_cache, feature, logits, depth, topk, total,
+                                                               None if sampler.greedy else sampler.draw)
         else:
             drafts, dists = drafter.propose_chain(draft_cache, feature, logits, steps, sampler.draw)
             # decided from the draft distributions, not from the drawn tokens, so sampling stays exact
             keep = max(int((dists[0].amax(-1) >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else steps
             drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
+            node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
         draft_cache.crop(length)  # drop the drafter's speculative entries
         candidates = torch.cat([last, drafts[None]], 1)
         parents = torch.cat([torch.tensor([-1], device=device), parents])[None]
@@ -161,7 +160,7 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         else:
             nodes = candidates.shape[1]
             draft_probs = torch.zeros(1, nodes, target.spec.vocab_size, device=device)
-            draft_probs[0, :keep, drafter.vocab.draft_ids.to(device)] = dists[0, :keep]  # node i's child came from dists[i]
+            draft_probs[0, :, drafter.vocab.draft_ids.to(device)] = node_dists
             path, accepted, bonus = rejection_verify(sampler.probs(target_logits), draft_probs, candidates, parents,
                                                      sampler.uniforms(1, nodes, device=device),
                                                      sampler.uniforms(1, nodes, device=device))

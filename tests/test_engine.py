@@ -61,7 +61,8 @@ def test_tree_proposal_shape_and_order(tiny_target):
     cache = drafter.new_cache()
     aux, _ = tiny_target.capture(ids, None, drafter.capture_layers())
     feature, logits = drafter.extend(cache, aux, torch.cat([ids[:, 1:], ids[:, :1]], 1))
-    tokens, parents = drafter.propose_tree(cache, feature, logits, depth=4, topk=3, total=10)
+    tokens, parents, dists = drafter.propose_tree(cache, feature, logits, depth=4, topk=3, total=10)
+    assert dists is None  # greedy trees carry no sampling distributions
     assert tokens.shape == parents.shape == (10,)
     assert all(0 <= int(p) <= i for i, p in enumerate(parents))  # topological: parent before child
     assert bool(drafter.t2d[tokens].all())  # target ids of draft-vocabulary tokens
@@ -102,14 +103,14 @@ class OracleTree:
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
-    def propose_tree(self, cache, feature, logits, depth, topk, total):
+    def propose_tree(self, cache, feature, logits, depth, topk, total, draw=None):
         start = cache.length - self.prompt_length + 1  # index of the next token to generate
         right = self.continuation[start : start + 4]
         right = right + [0] * (4 - len(right))
         wrong = [(t + 1) % self.vocab_size for t in right[:3]]
         tokens = torch.tensor(wrong + right)
         parents = torch.tensor([0, 1, 2, 0, 4, 5, 6])
-        return tokens, parents
+        return tokens, parents, None
 
 
 def test_tree_accepting_a_later_branch_compacts_the_cache(tiny_target, plain_outputs):

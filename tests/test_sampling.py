@@ -11,7 +11,6 @@ import torch
 
 from conftest import chi2_pvalue, compose_train
 from drafters.base import build_drafter
-from drafters.errors import UserError
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab
 from serving.engine import Sampler, generate_plain, generate_spec
@@ -55,17 +54,21 @@ def encode(tokens: list[int]) -> int:
 
 
 @pytest.mark.slow
-# the second case (top-p + dynamic draft length) gets fewer draws to keep CI short
-@pytest.mark.parametrize("temperature,top_p,min_prob,draws", [(1.0, 1.0, 0.0, 100_000), (0.7, 0.8, 0.3, 20_000)])
-def test_spec_sampling_matches_target_distribution(small_vocab, temperature, top_p, min_prob, draws):
+# a chain at T=1 over 1e5 runs; top-p + dynamic draft length and a sampled tree (i.i.d. children,
+# duplicates included) over fewer runs to keep CI short
+@pytest.mark.parametrize("temperature,top_p,options,draws", [
+    (1.0, 1.0, dict(steps=2), 100_000),
+    (0.7, 0.8, dict(steps=2, min_prob=0.3), 20_000),
+    (1.0, 1.0, dict(draft="tree", depth=2, topk=2, total=5), 20_000),
+])
+def test_spec_sampling_matches_target_distribution(small_vocab, temperature, top_p, options, draws):
     target, drafter = small_vocab
     length = 3
     sampler = Sampler(temperature, top_p, torch.Generator().manual_seed(0))
     counts = torch.zeros(VOCAB**length)
     proposed = accepted = 0
     for _ in range(draws):
-        tokens, stats = generate_spec(target, drafter, PROMPT, length, set(), steps=2, min_prob=min_prob,
-                                      sampler=sampler)
+        tokens, stats = generate_spec(target, drafter, PROMPT, length, set(), sampler=sampler, **options)
         counts[encode(tokens)] += 1
         proposed += sum(stats.proposed_by_pos)
         accepted += sum(stats.accepted_by_pos)
@@ -95,7 +98,16 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.equal(Sampler(1.0, 1e-6).probs(torch.tensor([[0.1, 2.0, 0.3]])), torch.tensor([[0.0, 1.0, 0.0]]))
 
 
-def test_tree_refuses_sampling(small_vocab):
+def test_sampled_tree_keeps_every_draw_in_creation_order(small_vocab):
     target, drafter = small_vocab
-    with pytest.raises(UserError, match="draft=chain"):
-        generate_spec(target, drafter, PROMPT, 4, set(), draft="tree", sampler=Sampler(1.0))
+    cache = drafter.new_cache()
+    aux, _ = target.capture(PROMPT, None, drafter.capture_layers())
+    feature, logits = drafter.extend(cache, aux, torch.cat([PROMPT[:, 1:], PROMPT[:, :1]], 1))
+    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
+    tokens, parents, dists = drafter.propose_tree(cache, feature, logits, 3, 2, 7, sampler.draw)
+    # root: 2 children; level 2: both expanded, 2 draws each; level 3: the best 2 of those expanded,
+    # the first of them fully kept (nodes 7, 8 would exceed total=7 after node 7)
+    assert parents.tolist() == [0, 0, 1, 1, 2, 2, parents[6].item()] and parents[6] in (3, 4, 5, 6)
+    # every node with children carries the distribution they were drawn from
+    assert torch.allclose(dists[parents.unique()].sum(-1), torch.ones(len(parents.unique())))
+    assert all(drafter.t2d[t] for t in tokens)  # target ids inside the draft vocabulary
