@@ -6,21 +6,8 @@ import json
 import os
 import shutil
 
+from drafters.artifact import STATE_FILE, fsync_tree
 from drafters.errors import UserError
-
-STATE_FILE = "trainer_state.json"
-
-
-def _fsync_tree(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as handle:
-                os.fsync(handle.fileno())
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def save(accelerator, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:
@@ -35,7 +22,7 @@ def save(accelerator, checkpoints_dir: str, step: int, state: dict, keep_last: i
     if accelerator.is_main_process:
         with open(os.path.join(partial, STATE_FILE), "w") as handle:
             json.dump({**state, "step": step}, handle, indent=1)
-        _fsync_tree(partial)
+        fsync_tree(partial)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
         link = os.path.join(checkpoints_dir, ".latest-tmp")

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup, get_constant_schedule_with_warmup
 
+from drafters import artifact
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.errors import UserError
 from drafters.target import load_target
@@ -167,8 +168,13 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     target = load_target(cfg.target, accelerator.device)
     log.info("target %s: %s", target.spec.name, json.dumps(target.spec.to_dict()))
     train_set, eval_set = prepare_data(cfg, target)
-    vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir)
-    drafter = build_drafter(cfg.drafter, target, vocab)
+    if cfg.drafter.get("init_from"):
+        # fine-tune a saved drafter: its architecture, draft vocabulary and weights come together
+        drafter, vocab, vocab_key = artifact.start_from(cfg.drafter.init_from, cfg.drafter, target)
+        log.info("drafter initialized from %s", cfg.drafter.init_from)
+    else:
+        vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir)
+        drafter = build_drafter(cfg.drafter, target, vocab)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
 

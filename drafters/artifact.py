@@ -1,0 +1,241 @@
+"""A drafter on disk, in the two forms this project writes, read into one `SavedDrafter`:
+
+- a training checkpoint (`<run>/checkpoints/step-N`): `trainer_state.json` + `model.safetensors`;
+- a native artifact (`export.run format=native`): `config.json` + `model.safetensors`, the
+  self-describing form of DESIGN.md: the drafter and its hyper-parameters (aux layer ids as
+  "input of layer k"), the verifier it was made for, default proposal settings.
+
+serving/artifact.py loads either for generation, training fine-tunes one (`drafter.init_from`),
+export/ converts them to and from other engines' formats. Weights keep the drafter's own
+state_dict names (d2t/t2d included); only export renames them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from drafters.base import Drafter, build_drafter, drafter_class
+from drafters.errors import UserError
+from drafters.target import TargetSpec
+from drafters.vocab import DraftVocab
+
+NATIVE_FORMAT, NATIVE_VERSION = "specdraft", 1
+CONFIG_FILE, WEIGHTS_FILE, STATE_FILE = "config.json", "model.safetensors", "trainer_state.json"
+AUX_LAYER_CONVENTION = "input of layer k (= HF hidden_states[k])"
+# What a drafter's weights and aux layer ids depend on: a target differing in these is another target.
+VERIFIER_FIELDS = ("vocab_size", "hidden_size", "num_layers")
+
+
+@dataclass
+class SavedDrafter:
+    drafter: str  # registry name
+    hparams: dict  # Drafter.hparams(): what rebuilds it (aux layer ids: input of layer k)
+    verifier: dict  # TargetSpec fields of the target it was made for, + architecture, name_or_path
+    target: dict  # the conf/target node that loads that target
+    weights: dict[str, torch.Tensor]  # the drafter's state_dict, d2t/t2d included
+    proposal: dict  # default proposal settings for serving
+
+    @property
+    def spec(self) -> TargetSpec:
+        return TargetSpec(**{field.name: self.verifier[field.name] for field in fields(TargetSpec)})
+
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(d2t=self.weights["d2t"], t2d=self.weights["t2d"], key={})
+
+    def skeleton(self) -> Drafter:
+        """The drafter these hyper-parameters describe, on the meta device: names and shapes, no memory."""
+        with torch.device("meta"):
+            sizes = DraftVocab(torch.zeros(self.hparams["draft_vocab_size"], dtype=torch.long),
+                               torch.zeros(self.verifier["vocab_size"], dtype=torch.bool), key={})
+            return drafter_class(self.drafter)(OmegaConf.create(self.hparams), self.spec, sizes)
+
+    def check_weights(self, where: str) -> None:
+        """One line naming every missing, unexpected or wrongly shaped weight, if any."""
+        expected = {name: list(tensor.shape) for name, tensor in self.skeleton().state_dict().items()}
+        missing = sorted(expected.keys() - self.weights.keys())
+        unexpected = sorted(self.weights.keys() - expected.keys())
+        wrong = [f"{name} {list(self.weights[name].shape)} (expected {shape})"
+                 for name, shape in sorted(expected.items())
+                 if name in self.weights and list(self.weights[name].shape) != shape]
+        found = {"missing weights": missing, "unexpected weights": unexpected, "wrong shapes": wrong}
+        problems = [f"{what} {names}" for what, names in found.items() if names]
+        if problems:
+            raise UserError(f"{where}: {'; '.join(problems)} (drafter {self.drafter}, target {self.verifier['name']})")
+
+    def check_target(self, spec: TargetSpec, where: str) -> None:
+        for field in VERIFIER_FIELDS:
+            if self.verifier[field] != getattr(spec, field):
+                raise UserError(
+                    f"artifact {where} was made for target {self.verifier['name']} ({field}={self.verifier[field]}), "
+                    f"the loaded target {spec.name} has {field}={getattr(spec, field)}"
+                )
+
+    def build(self, where: str) -> Drafter:
+        """The drafter with these weights (float as stored; the caller moves it)."""
+        self.check_weights(where)
+        drafter = drafter_class(self.drafter)(OmegaConf.create(self.hparams), self.spec, self.vocab())
+        drafter.load_state_dict(self.weights)
+        return drafter
+
+
+def causal_lm_architecture(model_type: str) -> str:
+    """HF class name of a model type's causal LM (`llama` -> `LlamaForCausalLM`), what engines match on."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)
+
+
+def verifier_of(spec: dict, target: dict, name_or_path: str | None = None) -> dict:
+    """The verifier record: the target's spec, its architecture, and where other engines load it from
+    (by default the target's HF dir or hub id; a GGUF file is none of those)."""
+    if name_or_path is None and target.get("path") and not target.get("gguf_file"):
+        name_or_path = str(target["path"])
+    return {**spec, "architecture": causal_lm_architecture(spec["model_type"]), "name_or_path": name_or_path}
+
+
+def default_proposal(hparams: dict) -> dict:
+    # a chain as long as the unroll the head was trained for (what training-time test optimized)
+    return {"draft": "chain", "steps": int(hparams.get("ttt_steps", 1))}
+
+
+def read_json(path: str, where: str) -> dict:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as error:
+        raise UserError(f"artifact {where} is unreadable ({str(error).splitlines()[0]})") from None
+
+
+def read_weights(path: str, where: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise UserError(f"artifact {where} is unreadable ({str(error).splitlines()[0]})") from None
+
+
+def read(path: str) -> SavedDrafter:
+    """A training checkpoint or a native artifact dir, or a one-line UserError."""
+    if not os.path.isdir(path):
+        raise UserError(f"artifact not found: {path}")
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        document, form = read_json(os.path.join(path, STATE_FILE), path), "training checkpoint"
+    elif os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        document, form = read_json(os.path.join(path, CONFIG_FILE), path), "native artifact"
+        if document.get("format") != NATIVE_FORMAT:
+            raise UserError(f"artifact {path}: {CONFIG_FILE} is not a specdraft native artifact; convert it first: "
+                            f"python -m export.run checkpoint={path} format=native out=<dir>")
+    else:
+        raise UserError(f"artifact {path} is incomplete: missing {STATE_FILE} (training checkpoint) "
+                        f"or {CONFIG_FILE} (native artifact)")
+    if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        raise UserError(f"artifact {path} is incomplete: missing {WEIGHTS_FILE}")
+    weights = read_weights(os.path.join(path, WEIGHTS_FILE), path)
+    try:
+        if form == "native artifact":
+            if document.get("format_version") != NATIVE_VERSION:
+                raise UserError(f"artifact {path}: native format version {document.get('format_version')}, "
+                                f"this specdraft reads version {NATIVE_VERSION}")
+            return SavedDrafter(document["drafter"], document["hparams"], document["verifier"], document["target"],
+                                weights, document["proposal"])
+        target = document["config"]["target"]
+        return SavedDrafter(document["drafter"], document["hparams"], verifier_of(document["target_spec"], target),
+                            target, weights, default_proposal(document["hparams"]))
+    except (KeyError, TypeError) as error:
+        raise UserError(f"artifact {path}: {form} lacks field {error}") from None
+
+
+def write_files(directory: str, config: dict, weights: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors, the two files of every artifact format."""
+    with open(os.path.join(directory, CONFIG_FILE), "w") as handle:
+        json.dump(config, handle, indent=1)
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, os.path.join(directory, WEIGHTS_FILE),
+              metadata={"format": "pt"})
+
+
+def write_native(saved: SavedDrafter, directory: str) -> None:
+    config = {
+        "format": NATIVE_FORMAT,
+        "format_version": NATIVE_VERSION,
+        "drafter": saved.drafter,
+        "hparams": saved.hparams,
+        "aux_layer_convention": AUX_LAYER_CONVENTION,
+        "verifier": saved.verifier,
+        "target": saved.target,
+        "proposal": saved.proposal,
+    }
+    write_files(directory, config, saved.weights)
+
+
+def fsync_tree(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextmanager
+def atomic_directory(out: str, overwrite: bool = False):
+    """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
+
+    An existing `out` is refused, or with `overwrite` replaced only after the new one is complete
+    (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
+    removes the temp dir and leaves `out` as it was.
+    """
+    out = os.path.abspath(out)
+    if os.path.lexists(out) and not overwrite:
+        raise UserError(f"out {out} already exists (remove it, or pass overwrite=true to replace it "
+                        "once the new one is completely written)")
+    parent, name = os.path.split(out)
+    os.makedirs(parent, exist_ok=True)
+    partial = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+    os.mkdir(partial)
+    try:
+        yield partial
+        fsync_tree(partial)
+        if os.path.lexists(out):
+            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(out, old)
+            try:
+                os.replace(partial, out)
+            except OSError:
+                os.replace(old, out)  # put the old one back
+                raise
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def start_from(path: str, cfg: DictConfig, target) -> tuple[Drafter, DraftVocab, dict]:
+    """`drafter.init_from=<artifact>`: fine-tune a saved drafter. Its architecture, hyper-parameters,
+    draft vocabulary and weights come from the artifact (they only make sense together); the
+    target must be the one it was made for. Returns (drafter, vocab, vocab key)."""
+    saved = read(path)
+    if saved.drafter != cfg.name:
+        raise UserError(f"drafter.init_from: {path} holds a '{saved.drafter}' drafter, this run trains '{cfg.name}'")
+    saved.check_target(target.spec, path)
+    saved.check_weights(path)
+    vocab = saved.vocab()
+    drafter = build_drafter(OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), **saved.hparams}),
+                            target, vocab)
+    drafter.load_state_dict(saved.weights)
+    digest = hashlib.sha256(vocab.d2t.numpy().tobytes() + vocab.t2d.numpy().tobytes()).hexdigest()[:16]
+    return drafter, vocab, {"init_from_vocab": digest}

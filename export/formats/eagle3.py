@@ -1,0 +1,107 @@
+"""What the EAGLE-3 layouts of other engines (speculators/vLLM, SGLang/SpecForge/EAGLE) share: the
+Llama-style config of the draft layer, their weight files, and turning one of their heads into ours."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import pickle
+
+import torch
+from transformers import LlamaConfig
+
+from drafters.artifact import SavedDrafter, default_proposal, read_weights, verifier_of
+from drafters.errors import UserError
+from drafters.layers import draft_layer_config
+from drafters.target import TargetSpec
+from export.formats import ImportFor
+
+EMBEDDING = "embed_tokens.weight"
+
+
+def llama_fields(saved: SavedDrafter) -> dict:
+    """Our draft decoder layer (drafters/layers.py: draft_layer_config) as the Llama config fields
+    engines build theirs from."""
+    layer = draft_layer_config(saved.spec)
+    rope = dict(layer.rope_parameters)
+    return {
+        "model_type": "llama",
+        "hidden_size": layer.hidden_size,
+        "intermediate_size": layer.intermediate_size,
+        "num_attention_heads": layer.num_attention_heads,
+        "num_key_value_heads": layer.num_key_value_heads,
+        "head_dim": layer.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": layer.hidden_act,
+        "rms_norm_eps": layer.rms_norm_eps,
+        "max_position_embeddings": layer.max_position_embeddings,
+        "vocab_size": layer.vocab_size,  # the target's: d2t/t2d map the draft vocabulary into it
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,  # SGLang would make lm_head the embedding
+        # transformers 5 reads rope_parameters; the 4.x releases engines pin read rope_theta/rope_scaling
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope.get("rope_type", "default") == "default"
+        else {key: value for key, value in rope.items() if key != "rope_theta"},
+        "torch_dtype": str(saved.weights["fc.weight"].dtype).removeprefix("torch."),
+    }
+
+
+def check_layer_config(theirs: dict, spec: TargetSpec, where: str) -> None:
+    """Refuse a head whose draft layer computes differently from ours on this target in ways the
+    weight shapes don't show (layer count, RoPE, activation, norm epsilon)."""
+    if theirs.get("num_hidden_layers", 1) != 1:
+        raise UserError(f"{where}: {theirs['num_hidden_layers']} draft layers; our EAGLE-3 has one")
+    if theirs.get("model_type", "llama") != "llama":
+        raise UserError(f"{where}: a '{theirs['model_type']}' draft layer; our EAGLE-3 layer is Llama's")
+    if theirs.get("tie_word_embeddings"):
+        raise UserError(f"{where}: tie_word_embeddings=true (lm_head is the embedding); ours has its own lm_head")
+    their_layer = LlamaConfig(**theirs)  # normalizes RoPE from either rope_parameters or rope_theta/rope_scaling
+    ours = draft_layer_config(spec)
+    for field in ("rope_parameters", "hidden_act"):
+        if getattr(their_layer, field) != getattr(ours, field):
+            raise UserError(f"{where}: draft layer {field}={getattr(their_layer, field)}, the target "
+                            f"{spec.name} (whose settings our EAGLE-3 uses) has {getattr(ours, field)}")
+    if not math.isclose(their_layer.rms_norm_eps, ours.rms_norm_eps, rel_tol=1e-3):
+        raise UserError(f"{where}: draft layer rms_norm_eps={their_layer.rms_norm_eps}, the target {spec.name} "
+                        f"has {ours.rms_norm_eps}")
+
+
+def read_weight_files(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a head dir: *.safetensors (single or sharded), else the EAGLE repo's pytorch_model.bin."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        weights.update(read_weights(file, path))
+    if weights:
+        return weights
+    for file in sorted(glob.glob(os.path.join(path, "*.bin"))):
+        try:
+            weights.update(torch.load(file, map_location="cpu", weights_only=True))
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:  # corrupt or unsafe
+            reason = str(error).splitlines()[0]
+            raise UserError(f"{path}: unreadable weights {os.path.basename(file)} ({reason})") from None
+    if not weights:
+        raise UserError(f"{path}: no weights (*.safetensors or pytorch_model.bin)")
+    return weights
+
+
+def imported(where: str, weights: dict, aux_layers: list[int], draft_vocab_size: int, context: ImportFor,
+             name_or_path: str | None = None, steps: int | None = None) -> SavedDrafter:
+    """Another engine's EAGLE-3 head as ours: their weights under our names, the target's embedding
+    where they ship none (engines share the target's), hyper-parameters as our drafter config gives
+    them for these aux layers (our convention)."""
+    context.target.check_layers(aux_layers)
+    cfg = {**context.drafter_cfg, "aux_layers": aux_layers, "draft_vocab_size": draft_vocab_size}
+    spec = context.target.spec.to_dict()
+    saved = SavedDrafter(cfg["name"], cfg, verifier_of(spec, context.target_cfg, name_or_path), context.target_cfg,
+                         dict(weights), proposal={})
+    saved.hparams = saved.skeleton().hparams()  # exactly what the drafter records about itself
+    saved.proposal = default_proposal(saved.hparams)
+    if steps:  # the chain length their format records
+        saved.proposal["steps"] = int(steps)
+    if EMBEDDING not in saved.weights and "fc.weight" in saved.weights:
+        saved.weights[EMBEDDING] = context.target.embed_weight.detach().to(saved.weights["fc.weight"].dtype).clone()
+    saved.check_weights(where)
+    return saved

@@ -1,0 +1,74 @@
+"""speculators format, EAGLE-3 (what `vllm serve <dir>` loads): write ours, read theirs.
+
+Norm flags, against speculators' Eagle3DraftModel (models/eagle3/core.py, model_definitions.py):
+our layer (drafters/eagle3.py) norms the token embedding and the fused feature before attention
+but keeps the *raw* feature as the residual (norm_before_residual=False), applies no norm to the
+aux states before `fc`, neither one over their concatenation (norm_before_fc=False) nor one per
+state (fc_norm=False), and feeds the layer's pre-norm output back between draft steps
+(norm_output=False). vLLM assumes norm_before_residual=True when the key is missing, so all four
+are always written.
+"""
+
+from __future__ import annotations
+
+from drafters.artifact import SavedDrafter, write_files
+from drafters.eagle3 import default_aux_layers
+from drafters.errors import UserError
+from export.formats import Format, ImportFor, register
+from export.formats.eagle3 import check_layer_config, imported, llama_fields, read_weight_files
+
+NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+OURS, THEIRS = "midlayer.", "layers.0."  # the draft decoder layer's weight prefix
+
+
+def renamed(weights: dict, old: str, new: str) -> dict:
+    return {(new + name[len(old):] if name.startswith(old) else name): tensor for name, tensor in weights.items()}
+
+
+def write(saved: SavedDrafter, directory: str) -> None:
+    verifier = saved.verifier
+    if not verifier.get("name_or_path"):
+        raise UserError(f"format=speculators: vLLM loads the target from verifier.name_or_path, and target "
+                        f"{verifier['name']} has no HF dir or hub id recorded (a GGUF file or a random init): "
+                        "pass verifier=<hub id or HF dir>, or verifier_out=<dir> to write the target there "
+                        "as HF safetensors")
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": saved.hparams["draft_vocab_size"],
+        "eagle_aux_hidden_state_layer_ids": saved.hparams["aux_layers"],  # same convention as ours
+        **NORM_FLAGS,
+        "target_hidden_size": verifier["hidden_size"],
+        "transformer_layer_config": llama_fields(saved),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": saved.proposal["steps"],
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": [verifier["architecture"]]},
+        },
+    }
+    write_files(directory, config, renamed(saved.weights, OURS, THEIRS))
+
+
+def recognizes(config: dict) -> bool:
+    return config.get("speculators_model_type") == "eagle3"
+
+
+def read(path: str, config: dict, context: ImportFor) -> SavedDrafter:
+    # speculators' own default for a missing flag is False
+    unlike_ours = [flag for flag, ours in NORM_FLAGS.items() if bool(config.get(flag, False)) != ours]
+    if unlike_ours:
+        raise UserError(f"{path}: {', '.join(f'{flag}=true' for flag in unlike_ours)}: our EAGLE-3 computes no such "
+                        "norm, so this head cannot be imported faithfully")
+    check_layer_config(config.get("transformer_layer_config") or {}, context.target.spec, path)
+    aux_layers = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(context.target.spec.num_layers)
+    speculators = config.get("speculators_config") or {}
+    proposals = speculators.get("proposal_methods") or [{}]
+    return imported(path, renamed(read_weight_files(path), THEIRS, OURS), list(aux_layers),
+                    config.get("draft_vocab_size", 32000),  # speculators' default
+                    context, name_or_path=(speculators.get("verifier") or {}).get("name_or_path"),
+                    steps=proposals[0].get("speculative_tokens"))
+
+
+register(Format("speculators", "eagle3", write=write, recognizes=recognizes, read=read))

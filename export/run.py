@@ -1,0 +1,85 @@
+"""`python -m export.run checkpoint=<dir> format=native|speculators|sglang out=<dir>`: write an artifact.
+
+`checkpoint=` is one of ours (a training checkpoint or a native artifact), or an EAGLE-3 head in
+another engine's layout (speculators; SGLang/SpecForge/EAGLE), imported for `target=`. The
+artifact is written to a temp dir beside `out` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, STATE_FILE, SavedDrafter, atomic_directory, read, read_json
+from drafters.errors import UserError
+from drafters.target import load_target
+from export import formats
+
+
+def read_source(cfg: DictConfig) -> SavedDrafter:
+    path = str(cfg.checkpoint)
+    config_file = os.path.join(path, CONFIG_FILE)
+    if os.path.isfile(os.path.join(path, STATE_FILE)) or not os.path.isfile(config_file):
+        return read(path)  # a training checkpoint, or read's one-line error
+    config = read_json(config_file, path)
+    if config.get("format") == NATIVE_FORMAT:
+        return read(path)
+    fmt = formats.reader(config, path)  # before the target loads: an unknown layout fails fast
+    context = formats.ImportFor(load_target(cfg.target), OmegaConf.to_container(cfg.target, resolve=True),
+                                OmegaConf.to_container(cfg.drafter, resolve=True))
+    return fmt.read(path, config, context)
+
+
+def write_verifier(saved: SavedDrafter, out: str, overwrite: bool) -> str:
+    """The target as an HF safetensors dir (a GGUF target dequantized): what vLLM and speculators load
+    by path. Returns that path."""
+    target = load_target(OmegaConf.create(saved.target))
+    saved.check_target(target.spec, out)
+    if getattr(target.model, "hf_quantizer", None) is not None:
+        # a GGUF target is dequantized into plain float weights on load, but transformers still
+        # refuses to save it as "quantized": drop that marker, the tensors are what we save
+        target.model.hf_quantizer = None
+        del target.model.config.quantization_config
+    with atomic_directory(out, overwrite) as partial:
+        target.model.save_pretrained(partial)
+        target.tokenizer.save_pretrained(partial)
+    return os.path.abspath(out)
+
+
+def export(cfg: DictConfig) -> str:
+    """Write the artifact; returns the line that says what was written."""
+    formats.named(cfg.format)  # an unknown format fails before any work
+    checkpoint, out = os.path.abspath(str(cfg.checkpoint)), os.path.abspath(str(cfg.out))
+    if not os.path.isdir(checkpoint):
+        raise UserError(f"checkpoint not found: {cfg.checkpoint}")
+    if os.path.commonpath([checkpoint, out]) == out:
+        raise UserError(f"out {out} would replace the checkpoint {checkpoint} it is made from")
+    with atomic_directory(out, cfg.overwrite) as partial:
+        saved = read_source(cfg)
+        fmt = formats.writer(cfg.format, saved.drafter)
+        if cfg.steps:
+            saved.proposal["steps"] = int(cfg.steps)
+        if cfg.verifier_out:
+            saved.verifier["name_or_path"] = write_verifier(saved, cfg.verifier_out, cfg.overwrite)
+        elif cfg.verifier:
+            saved.verifier["name_or_path"] = str(cfg.verifier)
+        fmt.write_checked(saved, partial, str(cfg.checkpoint))
+    return (f"wrote {fmt.name} artifact {out}: {saved.drafter} for target {saved.verifier['name']}, "
+            f"aux layers {saved.skeleton().capture_layers()} (input of layer k), "
+            f"verifier {saved.verifier['name_or_path'] or '(none recorded)'}")
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="export")
+def main(cfg: DictConfig) -> None:
+    try:
+        print(export(cfg))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
