@@ -1,0 +1,131 @@
+"""Serving for drafters that propose one token per forward and feed their own feature back
+(EAGLE-3, EAGLE-1, MTP): context extension, chain and EAGLE-2 tree proposal over a DraftCache.
+
+A subclass provides `fuse(aux)` (target features -> its input feature) and
+`step(cache, tokens, feature, positions, mask) -> (feature, draft logits)`; draft ids map to
+target ids through its `d2t` buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.base import Drafter, greedy_draw
+from drafters.layers import DraftCache
+
+
+class StepDrafter(Drafter):
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
+        """One forward over `tokens` [B, T] with input `feature` [B, T, H] at `positions`, appending
+        to `cache` (causal, or `mask` [T, cache + T] for tree nodes)."""
+        raise NotImplementedError
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache()
+
+    @staticmethod
+    def positions(start: int, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
+
+    @torch.no_grad()
+    def extend(self, cache: DraftCache, aux: list[torch.Tensor], next_tokens: torch.Tensor):
+        """Add context entries for target positions cache.length.. : the fused target features at t
+        with the token committed at t+1. Returns the last entry's (feature, draft logits)."""
+        feature, logits = self.step(cache, next_tokens, self.fuse(aux), self.positions(cache.length, next_tokens))
+        return feature[:, -1:], logits[:, -1:]
+
+    @torch.no_grad()
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
+        """A chain of `steps` drafts (target ids) from the last context entry, feeding the drafter's
+        own feature back (what TTT trained for). `draw(logits) -> (draft ids, distribution)` picks
+        each draft (default: greedy); also returns the distributions [B, steps, V_draft] they came from."""
+        draw = draw or greedy_draw
+        tokens, dists = [], []
+        for i in range(steps):
+            draft, dist = draw(logits[:, -1])
+            token = draft + self.d2t[draft]
+            tokens.append(token)
+            dists.append(dist)
+            if i + 1 < steps:
+                feature, logits = self.step(cache, token[:, None], feature, self.positions(cache.length, token[:, None]))
+        return torch.stack(tokens, 1), torch.stack(dists, 1)
+
+    @torch.no_grad()
+    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int, draw=None):
+        """EAGLE-2 dynamic tree from the last context entry: at each depth expand the `topk` best
+        nodes by cumulative draft log-probability (one drafter forward for all of them), keep the
+        `topk` best children overall, and finally the `total` best nodes.
+
+        With `draw` (sampling) each expanded node gets `topk` i.i.d. children drawn from its draft
+        distribution and keeps all of them, and the tree keeps its first `total` nodes in creation
+        order: rejection sampling over a node's children is exact only for such draws.
+
+        Returns (tokens [total] target ids, parents [total], dists) in topological order, parents
+        indexing 1..total with 0 = the root (the last committed token); dists [1 + total, V_draft]
+        holds the distribution each node's children were drawn from (None without `draw`)."""
+        context, device = cache.length, logits.device
+
+        def children(step_logits):  # [F, V_draft] -> (log-probs [F, topk], draft ids [F, topk], dists)
+            if draw is None:
+                return *torch.log_softmax(step_logits.float(), -1).topk(topk), None
+            drafts, dists = draw(step_logits[:, None].expand(-1, topk, -1))
+            return dists.gather(-1, drafts[..., None]).squeeze(-1).log(), drafts, dists[:, 0]
+
+        scores, drafts, dists = children(logits[0, -1:])
+        node_tokens, node_scores = [drafts[0]], [scores[0]]
+        node_dists = {0: dists[0]} if draw else {}
+        parent_of = [-1] + [0] * topk  # node 0 is the root
+        frontier = list(range(1, topk + 1))
+        frontier_features = feature.expand(1, topk, -1)
+        cached: list[int] = []  # tree nodes with an entry in the drafter cache, in cache order
+        for level in range(1, depth):
+            # each frontier node sees the context, its cached ancestors and itself
+            mask = torch.zeros(len(frontier), context + len(cached) + len(frontier), dtype=torch.bool, device=device)
+            mask[:, :context] = True
+            for row, node in enumerate(frontier):
+                ancestors, up = set(), parent_of[node]
+                while up > 0:
+                    ancestors.add(up)
+                    up = parent_of[up]
+                for column, other in enumerate(cached):
+                    mask[row, context + column] = other in ancestors
+                mask[row, context + len(cached) + row] = True
+            tokens = torch.cat(node_tokens)[torch.tensor(frontier, device=device) - 1]
+            positions = torch.full((1, len(frontier)), context + level - 1, device=device)
+            features, step_logits = self.step(cache, (tokens + self.d2t[tokens])[None], frontier_features, positions, mask)
+            cached += frontier
+            child_scores, child_drafts, dists = children(step_logits[0])
+            if draw:
+                node_dists.update(zip(frontier, dists))
+            parent_scores = torch.cat(node_scores)[torch.tensor(frontier, device=device) - 1]
+            scores = (parent_scores[:, None] + child_scores).flatten()
+            best = scores.topk(topk).indices
+            new = torch.arange(len(scores), device=device) if draw else best  # sampling keeps every draw
+            first_new = len(parent_of)
+            node_tokens.append(child_drafts.flatten()[new])
+            node_scores.append(scores[new])
+            parent_of += torch.tensor(frontier, device=device)[new // topk].tolist()
+            # the next frontier: the best children, by their index among the new nodes
+            frontier = (first_new + (best if draw else torch.arange(topk, device=device))).tolist()
+            frontier_features = features[:, best // topk]
+        scores = torch.cat(node_scores)
+        if draw:
+            keep = torch.arange(1, min(total, len(scores)) + 1, device=device)
+        else:
+            # stable sort: on equal scores a parent (lower index) ranks before its child, so the
+            # kept set is closed under ancestors
+            keep = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:total]).values + 1
+        renumber = torch.zeros(len(parent_of), dtype=torch.long, device=device)
+        renumber[keep] = torch.arange(1, len(keep) + 1, device=device)
+        drafts = torch.cat(node_tokens)[keep - 1]
+        parents = renumber[torch.tensor(parent_of, device=device)[keep]]
+        out_dists = None
+        if draw:
+            out_dists = torch.zeros(len(keep) + 1, logits.shape[-1], device=device)
+            for node, dist in node_dists.items():
+                if node == 0 or renumber[node] > 0:
+                    out_dists[renumber[node]] = dist
+        return drafts + self.d2t[drafts], parents, out_dists
