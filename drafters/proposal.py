@@ -23,7 +23,9 @@ class StepDrafter(Drafter):
         to `cache` (causal, or `mask` [T, cache + T] for tree nodes)."""
         raise NotImplementedError
 
-    def new_cache(self) -> DraftCache:
+    def new_cache(self, target_cache=None) -> DraftCache:
+        """The drafter's serving state; `target_cache` (the target's KV cache, kept in step with
+        the committed tokens) is there for drafters that read it (Gemma-style MTP assistants)."""
         return DraftCache()
 
     @staticmethod

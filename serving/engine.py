@@ -127,7 +127,8 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     node gets `topk` i.i.d. children (see Eagle3.propose_tree), so keep `topk` small (2-3)."""
     began = time.perf_counter()
     layers = drafter.capture_layers()
-    cache, draft_cache = DynamicCache(), drafter.new_cache()
+    cache = DynamicCache()
+    draft_cache = drafter.new_cache(cache)
     aux, final = target.capture(prompt_ids, None, layers, cache=cache)
     last = sampler.draw(target.logits(final[:, -1]))[0][:, None]  # the first token, from prefill
     tokens = [int(last)]
