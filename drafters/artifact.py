@@ -48,7 +48,8 @@ class SavedDrafter:
 
     @property
     def spec(self) -> TargetSpec:
-        return TargetSpec(**{field.name: self.verifier[field.name] for field in fields(TargetSpec)})
+        # fields added to TargetSpec since an artifact was written keep their defaults
+        return TargetSpec(**{field.name: self.verifier[field.name] for field in fields(TargetSpec) if field.name in self.verifier})
 
     def vocab(self) -> DraftVocab:
         return DraftVocab(d2t=self.weights["d2t"], t2d=self.weights["t2d"], key={})

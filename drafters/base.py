@@ -51,6 +51,13 @@ class Captured:
 @torch.no_grad()
 def capture(target: Target, vocab: DraftVocab, batch: dict, layers: list[int]) -> Captured:
     aux, final = target.capture(batch["input_ids"], batch["attention_mask"], layers)
+    return teacher_signal(target, vocab, aux, final)
+
+
+@torch.no_grad()
+def teacher_signal(target: Target, vocab: DraftVocab, aux: list[torch.Tensor], final: torch.Tensor) -> Captured:
+    """The teacher from hidden states just captured, or read back from the offline cache
+    (training/hidden_cache.py), which keeps `final` only where a next token is trained on."""
     draft_ids = vocab.draft_ids.to(final.device)
     greedy = target.argmax(final)
     t2d = vocab.t2d.to(final.device)

@@ -12,60 +12,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    repeat_kv,
-)
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from drafters.base import Captured, register
-from drafters.layers import DraftCache, draft_layer_config, ttt_attention
+from drafters.layers import DraftCache, DraftLayer, draft_layer_config, ttt_attention
+from drafters.losses import distill, trained_positions
 from drafters.proposal import StepDrafter
 
 
-class Eagle3Attention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        width, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.heads, self.kv_heads = config.head_dim, heads, kv_heads
-        # inputs are [embedding ; feature], hence 2 x width
-        self.q_proj = nn.Linear(2 * width, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * width, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * width, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, width, bias=False)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q, k, v as [B, heads, T, D] with RoPE applied and kv heads expanded."""
-        batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        groups = self.heads // self.kv_heads
-        return q, repeat_kv(k, groups), repeat_kv(v, groups)
-
-    def output(self, attended: torch.Tensor) -> torch.Tensor:
-        batch, _, length, _ = attended.shape
-        return self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
-
-
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(DraftLayer):
     """The draft decoder layer; `attend(q, k, v)` is TTT attention in training, cached at serving."""
 
     def __init__(self, config):
-        super().__init__()
+        # attention reads [embedding ; feature], hence 2 x width
+        super().__init__(config, 2 * config.hidden_size)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)  # on the embedding
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)  # on the feature
-        self.self_attn = Eagle3Attention(config)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
 
     def forward(self, embeds, feature, cos, sin, attend):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], -1)
-        h = feature + self.self_attn.output(attend(*self.self_attn.project(x, cos, sin)))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return super().forward(x, feature, cos, sin, attend)
 
 
 @register("eagle3")
@@ -111,7 +77,7 @@ class Eagle3(StepDrafter):
         input_ids = batch["input_ids"]
         length = input_ids.shape[1]
         # position t's teacher predicts token t+1, which counts only if it is an assistant token
-        predicts = F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool() & captured.in_vocab
+        predicts = trained_positions(batch, captured)
         teacher = torch.softmax(captured.teacher_logits.float(), -1)
         feature = self.fuse(captured.aux)
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
@@ -132,12 +98,10 @@ class Eagle3(StepDrafter):
             feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
             # the vocabulary-wide work (lm_head, softmax) only on rows that have a target
             rows = predicts[:, shift:]
-            logits = self.lm_head(self.norm(feature[:, : length - shift][rows])).float()
-            count = max(int(rows.sum()), 1)
-            step_loss = F.cross_entropy(logits, teacher[:, shift:][rows], reduction="sum") / count
+            logits = self.lm_head(self.norm(feature[:, : length - shift][rows]))
+            step_loss, metrics[f"acc/{k + 1}"] = distill(logits, teacher[:, shift:][rows],
+                                                          captured.teacher_token[:, shift:][rows])
             total = total + decay**k * step_loss
-            hits = (logits.argmax(-1) == captured.teacher_token[:, shift:][rows]).sum()
-            metrics[f"acc/{k + 1}"] = hits.item() / count
             metrics[f"loss/{k + 1}"] = step_loss.item()
         return total, metrics
 

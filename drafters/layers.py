@@ -1,14 +1,17 @@
-"""Building blocks shared by drafters: a Llama-style layer config derived from the target, and
-attention for training-time test (TTT) unrolling."""
+"""Building blocks shared by drafters: a Llama-style layer config derived from the target, the
+draft decoder layer (attention + MLP), a frozen copy of the target's final norm, and attention for
+training-time test (TTT) unrolling."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import nn
 from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
 
-from drafters.target import TargetSpec
+from drafters.target import Target, TargetSpec
 
 
 def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
@@ -31,6 +34,71 @@ def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
         mlp_bias=False,
         hidden_act="silu",
     )
+
+
+class DraftAttention(nn.Module):
+    """Llama attention over `input_size`-wide inputs (EAGLE-3: [embedding ; feature], 2H; EAGLE-1: H).
+    `project` gives the queries/keys/values; the caller's `attend(q, k, v)` decides what they see
+    (TTT attention in training, a DraftCache at serving)."""
+
+    def __init__(self, config, input_size: int):
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.heads, self.kv_heads = config.head_dim, heads, kv_heads
+        self.q_proj = nn.Linear(input_size, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(input_size, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(input_size, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q, k, v as [B, heads, T, D] with RoPE applied and kv heads expanded."""
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        groups = self.heads // self.kv_heads
+        return q, repeat_kv(k, groups), repeat_kv(v, groups)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        batch, _, length, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DraftLayer(nn.Module):
+    """A draft decoder layer without an input norm of its own: `residual + attention(x)`, then the
+    MLP block. Drafters prepare `x` (EAGLE-3 norms and concatenates two inputs; EAGLE-1's first
+    layer takes fc's output as is)."""
+
+    def __init__(self, config, input_size: int):
+        super().__init__()
+        self.self_attn = DraftAttention(config, input_size)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, residual, cos, sin, attend):
+        h = residual + self.self_attn.output(attend(*self.self_attn.project(x, cos, sin)))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetNorm(LlamaRMSNorm):
+    """A frozen copy of the target's final norm: turns the last layer's output (aux layer id N) into
+    the normed hidden state the target's lm_head reads, which is what EAGLE-1 extrapolates and
+    Medusa heads read. Kept in the drafter's weights so an artifact serves without the target's."""
+
+    def __init__(self, spec: TargetSpec):
+        super().__init__(spec.hidden_size, spec.rms_norm_eps)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def copy_from(self, target: Target) -> None:
+        norm = target.model.model.norm
+        weight = norm.weight.float()
+        # store the scale itself: Llama's norm scales by weight, Gemma's and Qwen3-Next's by 1 + weight,
+        # which a vector of ones tells apart (normed, it is scale / sqrt(1 + eps))
+        scale = norm(torch.ones_like(weight)).float() * math.sqrt(1 + self.variance_epsilon)
+        offset = 1.0 if (scale - weight - 1).abs().max() < (scale - weight).abs().max() else 0.0
+        self.weight.copy_(weight + offset)
 
 
 class DraftCache:

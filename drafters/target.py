@@ -4,10 +4,12 @@ its shape (`TargetSpec`) and hidden-state capture through forward hooks."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
+import inspect
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 import torch
@@ -35,9 +37,56 @@ class TargetSpec:
     rope_parameters: dict
     max_position_embeddings: int
     has_chat_template: bool
+    # the target's HF (text) config: what rebuilds its own layer classes (TargetClasses) and tells
+    # each layer's attention kind; empty in artifacts written before it was recorded
+    hf_config: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class TargetClasses:
+    """The target architecture's own module classes (decoder layer, RMSNorm, rotary embedding) and
+    config, rebuilt from `TargetSpec.hf_config` without its weights: for drafter blocks that must
+    compute exactly like the target's (native MTP weights) or read its RoPE'd keys."""
+
+    def __init__(self, spec: TargetSpec):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if not spec.hf_config:
+            raise UserError(f"target {spec.name}: no HF config recorded (written by an older specdraft), "
+                            "which this drafter builds on")
+        self.hf_config = spec.hf_config
+        self.config = self.configured()
+        causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
+        module, prefix = importlib.import_module(causal_lm.__module__), causal_lm.__name__.removesuffix("ForCausalLM")
+        missing = [prefix + part for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding") if not hasattr(module, prefix + part)]
+        if missing:
+            raise UserError(f"target {spec.name} ({spec.model_type}): transformers has no {', '.join(missing)} to build on")
+        self.decoder_layer = getattr(module, prefix + "DecoderLayer")
+        self.norm = getattr(module, prefix + "RMSNorm")
+        self.rotary = getattr(module, prefix + "RotaryEmbedding")
+
+    def configured(self, **changes):
+        """The target's config object, with `changes` to its fields."""
+        from transformers import AutoConfig
+
+        settings = {**self.hf_config, **changes}
+        return AutoConfig.for_model(settings.pop("model_type"), **settings)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """The layers attending over the whole context (not sliding-window, not linear attention)."""
+        kinds = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
+        return [layer for layer, kind in enumerate(kinds) if kind == "full_attention"]
+
+
+def full_attention_rope(rotary, x: torch.Tensor, positions: torch.Tensor):
+    """(cos, sin) of a target's rotary embedding as its full-attention layers use it (Gemma 3 keeps
+    one per attention kind and takes the kind as an argument)."""
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return rotary(x, positions, layer_type="full_attention")
+    return rotary(x, positions)
 
 
 def resolve_path(cfg: DictConfig) -> str:
@@ -46,6 +95,9 @@ def resolve_path(cfg: DictConfig) -> str:
         found = importlib.util.find_spec(cfg.package)
         if found is None:
             raise UserError(f"target package '{cfg.package}' is not installed (pip install {cfg.get('pip', cfg.package)})")
+        if cfg.get("assemble"):
+            # a model split over chunk wheels: the package joins them (once, checksummed) into a file
+            return os.path.dirname(importlib.import_module(cfg.package).assemble())
         return list(found.submodule_search_locations)[0]
     if not cfg.get("path"):
         raise UserError("target: set target.path (an HF model dir or hub id) or target.package")
@@ -53,15 +105,18 @@ def resolve_path(cfg: DictConfig) -> str:
 
 
 @lru_cache(maxsize=4)
-def _load_tokenizer(path: str, gguf_file: str | None):
+def _load_tokenizer(path: str, gguf_file: str | None, chat_template: str | None):
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    if chat_template:  # a base model ships none: the target config gives a plain-text one
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def load_tokenizer(cfg: DictConfig):
-    return _load_tokenizer(resolve_path(cfg), cfg.get("gguf_file"))
+    return _load_tokenizer(resolve_path(cfg), cfg.get("gguf_file"), cfg.get("chat_template"))
 
 
 def _random_init(cfg: DictConfig, dtype: torch.dtype):
@@ -131,6 +186,7 @@ class Target:
             rope_parameters=rope,
             max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
             has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            hf_config=text.to_dict(),
         )
 
     @property
@@ -166,6 +222,8 @@ class Target:
         grows by its length: the serving engine's prefill and verification forwards (a tree of
         candidates passes a 4D boolean `attention_mask` and its nodes' `position_ids`)."""
         self.check_layers(layers)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = self.masks_by_attention_kind(attention_mask, position_ids)
         captured: dict[int, torch.Tensor] = {}
         hooks = []
         for k in set(int(k) for k in layers):
@@ -184,6 +242,19 @@ class Target:
             for hook in hooks:
                 hook.remove()
         return [captured[int(k)] for k in layers], out.last_hidden_state
+
+    def masks_by_attention_kind(self, mask: torch.Tensor, position_ids: torch.Tensor):
+        """A 4D boolean mask [B, 1, Q, cache + Q] over the cache and the queries at `position_ids`, per
+        attention kind: HF applies a sliding window only to masks it builds itself, so for a target
+        with sliding-window layers (Gemma 3) they get the mask with the far keys hidden too."""
+        config = self.model.config.get_text_config()
+        window = getattr(config, "sliding_window", None)
+        if not window or position_ids is None or "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+            return mask
+        cached = mask.shape[-1] - position_ids.shape[-1]  # the cache holds positions 0..cached-1
+        keys = torch.cat([torch.arange(cached, device=mask.device).expand(len(position_ids), -1), position_ids], -1)
+        near = position_ids[:, :, None] - keys[:, None, :] < window
+        return {"full_attention": mask, "sliding_attention": mask & near[:, None]}
 
     def logits(self, hidden: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """lm_head on `hidden`, restricted to `token_ids` (the draft vocabulary) when given."""

@@ -1,4 +1,5 @@
-"""`python -m export.run checkpoint=<dir> format=native|speculators|sglang out=<dir>`: write an artifact.
+"""`python -m export.run checkpoint=<dir> format=native|speculators|sglang|vllm|... out=<dir>`: write an
+artifact (export/formats/ registers which format writes which drafter).
 
 `checkpoint=` is one of ours (a training checkpoint or a native artifact), or an EAGLE-3 head in
 another engine's layout (speculators; SGLang/SpecForge/EAGLE), imported for `target=`. The

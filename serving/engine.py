@@ -143,9 +143,10 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             drafts, parents, node_dists = drafter.propose_tree(draft_cache, feature, logits, depth, topk, total,
                                                                None if sampler.greedy else sampler.draw)
         else:
+            # up to `steps` drafts: a drafter may offer fewer (Medusa: one per head)
             drafts, dists = drafter.propose_chain(draft_cache, feature, logits, steps, sampler.draw)
             # decided from the draft distributions, not from the drawn tokens, so sampling stays exact
-            keep = max(int((dists[0].amax(-1) >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else steps
+            keep = max(int((dists[0].amax(-1) >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else drafts.shape[1]
             drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
             node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
         draft_cache.crop(length)  # drop the drafter's speculative entries

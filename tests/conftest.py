@@ -19,6 +19,9 @@ def compose_train(overrides: list[str] | None = None):
         return compose(config_name="train", overrides=overrides or [])
 
 
+VARIED_TARGET = ["target=tiny_llama", "+target.random_init.initializer_range=0.3"]
+
+
 def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """Chi-square goodness of fit; cells the target gives zero mass must stay empty."""
     keep = expected > 0
@@ -37,7 +40,89 @@ def tiny_target():
 
 
 @pytest.fixture(scope="session")
+def varied_target():
+    """A tiny random Llama with large weights: unlike tiny_target, whose greedy answers repeat one
+    token, it answers with varied text, so drafts that agree with it mean something."""
+    from drafters.target import load_target
+
+    return load_target(compose_train(VARIED_TARGET).target)
+
+
+@pytest.fixture(scope="session")
 def smollm2_target():
     from drafters.target import load_target
 
     return load_target(compose_train(["target=llama"]).target)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_target():
+    """SmolLM2 computing in float32: greedy serving is token-for-token plain decoding (in bf16, a
+    forward over several tokens may round a near-tie the other way than one token at a time)."""
+    from drafters.target import load_target
+
+    return load_target(compose_train(["target=llama", "target.dtype=float32"]).target)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_target():
+    """Random-init Gemma 3 with SmolLM2's tokenizer: sliding-window layers (window 8, shorter than the
+    prompts) around one full-attention layer, Gemma's (1 + weight) norms and sqrt(H)-scaled embedding."""
+    from omegaconf import OmegaConf
+
+    from drafters.target import load_target
+
+    cfg = OmegaConf.to_container(compose_train(["target=tiny_llama"]).target)
+    cfg["name"] = "tiny-gemma3"
+    cfg["random_init"].update(model_type="gemma3_text", num_hidden_layers=4, num_key_value_heads=1, sliding_window=8,
+                              query_pre_attn_scalar=16,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
+    return load_target(OmegaConf.create(cfg))
+
+
+@torch.no_grad()
+def self_distilled_batch(target, prompts: int = 4, length: int = 48, seed: int = 0) -> dict:
+    """Random 8-token prompts continued by the target's own greedy decoding, the continuations
+    loss-masked: data a drafter learns something verifiable from in a few steps."""
+    ids = torch.randint(0, target.spec.vocab_size, (prompts, 8), generator=torch.Generator().manual_seed(seed))
+    while ids.shape[1] < length:
+        _, final = target.capture(ids, None, [])
+        ids = torch.cat([ids, target.argmax(final[:, -1:])], 1)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 8:] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+
+
+def batch_vocab(target, batch: dict, size: int = 512):
+    """The draft vocabulary of a batch's tokens (a self-distilled batch: the target's greedy tokens)."""
+    from drafters.vocab import build_draft_vocab
+
+    ids = batch["input_ids"].flatten().tolist()
+    return build_draft_vocab([(ids, [1] * len(ids))], target.spec.vocab_size, size, {"test": "batch"})
+
+
+def train_steps(drafter, batch: dict, captured, steps: int, lr: float = 1e-2) -> list[tuple[float, float]]:
+    """Real optimizer steps on one batch; (loss, acc/1) after each."""
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    history = []
+    for _ in range(steps):
+        loss, metrics = drafter.loss(batch, captured)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        history.append((loss.item(), metrics["acc/1"]))
+    return history
+
+
+def lossless_accept_len(target, drafter, prompts: torch.Tensor, max_new_tokens: int, **draft) -> float:
+    """Generate from each prompt with and without the drafter: the outputs must be identical (greedy);
+    returns the mean tokens committed per target forward."""
+    from serving.engine import generate_plain, generate_spec
+
+    accept_lens = []
+    for prompt in prompts:
+        plain, _ = generate_plain(target, prompt[None], max_new_tokens, set())
+        spec, stats = generate_spec(target, drafter, prompt[None], max_new_tokens, set(), **draft)
+        assert spec == plain
+        accept_lens.append(stats.accept_len)
+    return sum(accept_lens) / len(accept_lens)

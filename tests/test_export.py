@@ -228,17 +228,17 @@ def test_bad_weights_are_named(checkpoint, tmp_path):
 
 
 def test_checkpoint_of_another_drafter(checkpoint, tmp_path):
-    other = edited_copy(checkpoint, tmp_path / "medusa", state=lambda s: s.update(drafter="medusa"))
-    with pytest.raises(UserError, match="format 'sglang' has no writer for drafter 'medusa' \\(it has: eagle3\\)"):
+    other = edited_copy(checkpoint, tmp_path / "nope", state=lambda s: s.update(drafter="nope"))
+    with pytest.raises(UserError, match="format 'sglang' has no writer for drafter 'nope' \\(it has: .*eagle3"):
         run_export(checkpoint=other, format="sglang", out=tmp_path / "out")
-    with pytest.raises(UserError, match="unknown drafter 'medusa'"):
+    with pytest.raises(UserError, match="unknown drafter 'nope'"):
         run_export(checkpoint=other, format="native", out=tmp_path / "out")
 
 
 def test_cli_errors_are_one_line(checkpoint, tmp_path):
     for args, expected in [
         ([f"checkpoint={checkpoint}", "format=onnx", f"out={tmp_path / 'o'}"],
-         "error: unknown format 'onnx' (available: native, sglang, speculators)"),
+         "error: unknown format 'onnx' (available: "),  # every drafter family may add formats
         ([f"checkpoint={tmp_path / 'nope'}", f"out={tmp_path / 'o'}"],
          f"error: checkpoint not found: {tmp_path / 'nope'}"),
         ([f"checkpoint={checkpoint}", "format=speculators", f"out={tmp_path / 'o'}"],

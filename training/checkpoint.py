@@ -6,12 +6,16 @@ import json
 import os
 import shutil
 
+from accelerate.utils import DistributedType
+
 from drafters.artifact import STATE_FILE, fsync_tree
 from drafters.errors import UserError
 
 
-def save(accelerator, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:
-    """Model, optimizer, scheduler, RNG (through Accelerate) + `trainer_state.json`; returns the dir."""
+def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:
+    """Model, optimizer, scheduler, RNG (through Accelerate) + `trainer_state.json`; returns the dir.
+    Under DeepSpeed and FSDP, whose own formats are sharded per process, the whole weights are
+    also gathered into `model.safetensors`, where resume-free readers (export, serving) look."""
     final = os.path.join(checkpoints_dir, f"step-{step}")
     partial = os.path.join(checkpoints_dir, f".partial-step-{step}")
     if accelerator.is_main_process:
@@ -19,6 +23,8 @@ def save(accelerator, checkpoints_dir: str, step: int, state: dict, keep_last: i
         os.makedirs(partial)
     accelerator.wait_for_everyone()
     accelerator.save_state(partial)
+    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        accelerator.save_model(model, partial)  # collective: every process takes part
     if accelerator.is_main_process:
         with open(os.path.join(partial, STATE_FILE), "w") as handle:
             json.dump({**state, "step": step}, handle, indent=1)

@@ -10,18 +10,17 @@ import os
 import time
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup, get_constant_schedule_with_warmup
 
 from drafters import artifact
-from drafters.base import build_drafter, capture, sim_accept_len
+from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
 from drafters.errors import UserError
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
-from training import checkpoint, data
+from training import checkpoint, data, distributed, hidden_cache
 from training.metrics import MetricsLog
 
 log = logging.getLogger("training")
@@ -73,6 +72,35 @@ def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str):
     return vocab, key
 
 
+def build_model(cfg: DictConfig, target, train_set, run_dir: str):
+    """The drafter to train, its draft vocabulary and the vocabulary's key."""
+    if cfg.drafter.get("init_from"):
+        # fine-tune a saved drafter: its architecture, draft vocabulary and weights come together
+        drafter, vocab, vocab_key = artifact.start_from(cfg.drafter.init_from, cfg.drafter, target)
+        log.info("drafter initialized from %s", cfg.drafter.init_from)
+    else:
+        vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir)
+        drafter = build_drafter(cfg.drafter, target, vocab)
+    return drafter, vocab, vocab_key
+
+
+def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, eval_set):
+    """`teacher(split, indices, batch) -> Captured`: the target run on the batch now (online), or its
+    hidden states read back from the cache `python -m training.dump` wrote (offline)."""
+    if cfg.data.hidden_states == "online":
+        return lambda split, indices, batch: capture(target, vocab, batch, layers)
+    if cfg.data.hidden_states == "offline":
+        cache = hidden_cache.HiddenCache.open(cfg, target, layers, train_set, eval_set)
+        log.info("hidden states: offline, from %s", cache.directory)
+
+        def read(split, indices, batch):
+            aux, final = cache.hidden(split, indices, batch["loss_mask"], target.lm_head_weight.dtype, target.device)
+            return teacher_signal(target, vocab, aux, final)
+
+        return read
+    raise UserError(f"data.hidden_states: unknown value '{cfg.data.hidden_states}' (online | offline)")
+
+
 def batch_indices(step: int, micro: int, cfg: DictConfig, size: int, rank: int, world: int) -> list[int]:
     """The sequences of one process's micro-batch, a pure function of (step, micro): resumable
     exactly, and each epoch a fresh seeded permutation."""
@@ -92,18 +120,18 @@ def make_batch(dataset, indices, pad_id: int, device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id) -> dict:
+def evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id) -> dict:
     """Token-weighted eval accuracy per draft position, loss, simulated acceptance, vocab coverage."""
-    model = accelerator.unwrap_model(drafter)
-    model.eval()
+    drafter.eval()  # the prepared module: under ZeRO-3 only it holds whole parameters
     count = min(len(eval_set), cfg.trainer.eval_max_samples)
     totals, weights = {}, 0.0
     covered = masked = 0.0
     for start in range(0, count, cfg.trainer.batch_size):
-        batch = make_batch(eval_set, range(start, min(start + cfg.trainer.batch_size, count)), pad_id, accelerator.device)
-        captured = capture(target, vocab, batch, model.capture_layers())
+        indices = list(range(start, min(start + cfg.trainer.batch_size, count)))
+        batch = make_batch(eval_set, indices, pad_id, accelerator.device)
+        captured = teacher("eval", indices, batch)
         with accelerator.autocast():
-            loss, metrics = model.loss(batch, captured)
+            loss, metrics = drafter(batch, captured)
         predicts = batch["loss_mask"][:, 1:].bool()
         tokens = float(predicts.sum())
         covered += float((captured.in_vocab[:, :-1] & predicts).sum())
@@ -113,8 +141,8 @@ def evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id) -> dict
         weights += tokens
     result = {f"eval/{key}": value / max(weights, 1.0) for key, value in totals.items()}
     if cfg.trainer.eval_accept_prompts > 0:
-        result["eval/accept_len"] = measured_accept_len(model, target, eval_set, cfg)
-    model.train()
+        result["eval/accept_len"] = measured_accept_len(accelerator.unwrap_model(drafter), target, eval_set, cfg)
+    drafter.train()
     steps = sorted(int(key.split("/")[-1]) for key in result if key.startswith("eval/acc/"))
     result["eval/sim_accept_len"] = sim_accept_len([result[f"eval/acc/{k}"] for k in steps])
     result["eval/vocab_coverage"] = covered / max(masked, 1.0)
@@ -138,20 +166,6 @@ def measured_accept_len(drafter, target, eval_set, cfg) -> float:
     return tokens / max(forwards, 1)
 
 
-def make_accelerator(cfg: DictConfig, run_dir: str) -> Accelerator:
-    use_cpu = not torch.cuda.is_available()
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return Accelerator(
-        cpu=use_cpu,
-        mixed_precision="bf16" if cfg.trainer.precision == "bf16" else "no",
-        gradient_accumulation_steps=cfg.trainer.grad_accum,
-        log_with="wandb" if cfg.logger.name == "wandb" else None,
-        project_dir=run_dir,
-        # gloo on CPU: Accelerate would otherwise pick a backend that CPU processes lack
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if use_cpu and distributed else [],
-    )
-
-
 def make_schedule(cfg: DictConfig, optimizer):
     if cfg.trainer.schedule == "cosine":
         return get_cosine_with_min_lr_schedule_with_warmup(
@@ -163,18 +177,16 @@ def make_schedule(cfg: DictConfig, optimizer):
 
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
-    accelerator = make_accelerator(cfg, run_dir)
+    accelerator = distributed.make_accelerator(cfg, run_dir)
+    distributed.agree_on_run_dir(accelerator, run_dir)
+    if not accelerator.is_main_process:
+        log.setLevel(logging.WARNING)  # one copy of the log: the main process's
     set_seed(cfg.seed)
     target = load_target(cfg.target, accelerator.device)
     log.info("target %s: %s", target.spec.name, json.dumps(target.spec.to_dict()))
-    train_set, eval_set = prepare_data(cfg, target)
-    if cfg.drafter.get("init_from"):
-        # fine-tune a saved drafter: its architecture, draft vocabulary and weights come together
-        drafter, vocab, vocab_key = artifact.start_from(cfg.drafter.init_from, cfg.drafter, target)
-        log.info("drafter initialized from %s", cfg.drafter.init_from)
-    else:
-        vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir)
-        drafter = build_drafter(cfg.drafter, target, vocab)
+    with accelerator.main_process_first():  # the main process writes the data and vocab caches, the others read them
+        train_set, eval_set = prepare_data(cfg, target)
+        drafter, vocab, vocab_key = build_model(cfg, target, train_set, run_dir)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
 
@@ -212,12 +224,15 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         metrics_log.truncate_after(start_step)
     hparams = accelerator.unwrap_model(drafter).hparams()
     global_batch = cfg.trainer.batch_size * cfg.trainer.grad_accum * accelerator.num_processes
+    log.info("distributed=%s: %s; %d processes on %s", cfg.distributed.name, distributed.DESCRIPTIONS[cfg.distributed.name],
+             accelerator.num_processes, distributed.platform())
     log.info(
         "global batch %d = %d per process x %d accumulation x %d processes; %d train / %d eval conversations",
         global_batch, cfg.trainer.batch_size, cfg.trainer.grad_accum, accelerator.num_processes, len(train_set), len(eval_set),
     )
 
     layers = accelerator.unwrap_model(drafter).capture_layers()
+    teacher = make_teacher(cfg, target, vocab, layers, train_set, eval_set)
     drafter.train()
     window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
     last_eval: dict = {}
@@ -228,14 +243,15 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         for micro in range(cfg.trainer.grad_accum):
             indices = batch_indices(step, micro, cfg, len(train_set), accelerator.process_index, accelerator.num_processes)
             batch = make_batch(train_set, indices, pad_id, accelerator.device)
-            captured = capture(target, vocab, batch, layers)
+            captured = teacher("train", indices, batch)
             with accelerator.accumulate(drafter), accelerator.autocast():
                 loss, metrics = drafter(batch, captured)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(trainable, cfg.trainer.grad_clip)
                 optimizer.step()
-                schedule.step()
+                if accelerator.sync_gradients:  # once per optimizer step, whatever the number of processes
+                    schedule.step()
                 optimizer.zero_grad()
             window["tokens"] += int(batch["attention_mask"].sum()) * accelerator.num_processes
             window["loss"] += loss.item()
@@ -253,7 +269,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
                                  tok_s=f"{values['perf/tokens_per_s']:.0f}")
             window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
         if done % cfg.trainer.eval_every == 0 or done == cfg.trainer.max_steps:
-            last_eval = evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id)
+            last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
             metrics_log.log(done, last_eval)
             metrics_log.plot()
             log.info("step %d: eval/sim_accept_len %.3f, eval/acc/1 %.3f", done, last_eval["eval/sim_accept_len"],
@@ -261,10 +277,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         if done % cfg.trainer.save_every == 0 or done == cfg.trainer.max_steps:
             state = {**identity, "hparams": hparams, "target_spec": target.spec.to_dict(),
                      "data_position": {"step": done, "seed": cfg.seed}, "config": OmegaConf.to_container(cfg, resolve=True)}
-            checkpoint.save(accelerator, checkpoints_dir, done, state, cfg.trainer.keep_last)
+            checkpoint.save(accelerator, drafter, checkpoints_dir, done, state, cfg.trainer.keep_last)
     progress.close()
     if not last_eval:  # resumed at max_steps: still report where things stand
-        last_eval = evaluate(drafter, target, vocab, eval_set, cfg, accelerator, pad_id)
+        last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
     metrics_log.plot()
     accelerator.end_training()
     return last_eval

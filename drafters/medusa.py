@@ -1,0 +1,176 @@
+"""Medusa (Cai et al., 2024): K heads on the target's last hidden state, each guessing one token
+further ahead.
+
+Head k (1..K) is a stack of residual blocks `x + SiLU(W x + b)` and its own lm_head (started as
+the target's, draft-vocabulary rows). It reads h_t, the target's final normed hidden state at t,
+and predicts token t+1+k: the target's own lm_head on h_t already gives token t+1. Training
+distills the target: cross-entropy against its distribution of token t+1+k (the teacher at t+k),
+head k weighted decay^(k-1); on data the target regenerated (`data.regenerate=true`) that is
+distillation on the target's own answers.
+
+Serving keeps no drafter context. After each verification the engine hands over the hidden
+states of the accepted positions; the last is h_t at the last accepted token, whose lm_head gave
+the bonus token (t+1), so the heads' guesses are the tokens after the bonus, t+2 .. t+1+K. A
+chain takes each head's top token; a tree is Medusa's Cartesian tree of the heads' top-k tokens,
+its best nodes picked best-first (`best_nodes`). Verification stays the engine's: lossless greedy
+or exact rejection sampling (no "typical acceptance").
+
+Weight names are those of vLLM's `MedusaModel` (`blocks.{k}.layers.{j}`, `lm_heads.{k}`).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import Captured, Drafter, greedy_draw, register
+from drafters.errors import UserError
+from drafters.layers import DraftCache, TargetNorm
+from drafters.losses import distill, trained_positions
+
+
+class ResidualBlocks(nn.Module):
+    """`x + SiLU(linear(x))`, `depth` times. Zero-initialized, so a new head starts out as the
+    target's own next-token head and training moves it further ahead."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+@register("medusa")
+class Medusa(Drafter):
+    def __init__(self, cfg, spec, vocab):
+        super().__init__(cfg, spec, vocab)
+        if int(cfg.num_heads) < 1 or int(cfg.num_layers) < 0:
+            raise UserError(f"drafter.num_heads={cfg.num_heads}, drafter.num_layers={cfg.num_layers}: "
+                            "Medusa needs at least one head and zero or more residual blocks per head")
+        width = spec.hidden_size
+        self.target_norm = TargetNorm(spec)
+        self.blocks = nn.ModuleList(ResidualBlocks(width, int(cfg.num_layers)) for _ in range(int(cfg.num_heads)))
+        self.lm_heads = nn.ModuleList(nn.Linear(width, vocab.draft_size, bias=False) for _ in self.blocks)
+        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
+        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
+
+    def hparams(self):
+        return {
+            "num_heads": len(self.blocks),
+            "num_layers": int(self.cfg.num_layers),
+            "loss_decay": float(self.cfg.loss_decay),
+            "draft_vocab_size": self.vocab.draft_size,
+        }
+
+    @torch.no_grad()
+    def init_from_target(self, target):
+        self.target_norm.copy_from(target)
+        for lm_head in self.lm_heads:
+            lm_head.weight.copy_(target.lm_head_weight[self.vocab.draft_ids].float())
+
+    def capture_layers(self):
+        return [self.spec.num_layers]  # the last layer's output, which `hidden` norms
+
+    def hidden(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        """h_t: the target's final normed hidden state, what its lm_head (and so each head) reads."""
+        return self.target_norm(aux[0].to(self.target_norm.weight.dtype))
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., K, V_draft]: every head's guess from the same hidden states."""
+        return torch.stack([lm_head(block(hidden)) for block, lm_head in zip(self.blocks, self.lm_heads)], -2)
+
+    def loss(self, batch: dict, captured: Captured):
+        length = batch["input_ids"].shape[1]
+        hidden = self.hidden(captured.aux)
+        predicts = trained_positions(batch, captured)
+        teacher = torch.softmax(captured.teacher_logits.float(), -1)
+        total, metrics = 0.0, {}
+        for k, (block, lm_head) in enumerate(zip(self.blocks, self.lm_heads), 1):
+            # head k at t predicts token t+1+k: the teacher at t+k
+            rows = predicts[:, k:]
+            logits = lm_head(block(hidden[:, : length - k][rows]))
+            head_loss, metrics[f"acc/{k}"] = distill(logits, teacher[:, k:][rows], captured.teacher_token[:, k:][rows])
+            total = total + float(self.cfg.loss_decay) ** (k - 1) * head_loss
+            metrics[f"loss/{k}"] = head_loss.item()
+        return total, metrics
+
+    # ---- serving (the engine contract of drafters/proposal.py)
+
+    def new_cache(self, target_cache=None) -> DraftCache:
+        return DraftCache()  # stays empty: the heads read nothing but the newest hidden state
+
+    @torch.no_grad()
+    def extend(self, cache: DraftCache, aux: list[torch.Tensor], next_tokens: torch.Tensor):
+        """`aux` rows: the positions just committed, each followed by its token in `next_tokens`. The
+        last row is h_t, followed by the bonus token: returns (h_t [B, 1, H], the heads' logits
+        [B, K, V_draft] for the tokens after the bonus)."""
+        hidden = self.hidden([states[:, -1:] for states in aux])
+        return hidden, self.head_logits(hidden[:, 0])
+
+    @torch.no_grad()
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
+        """Head k's token as draft k, for the first min(steps, K) heads (target ids [B, k]), with the
+        distributions they were drawn from [B, k, V_draft]. Every head draws on its own, which is
+        what rejection sampling needs: each draft comes from a distribution fixed before it."""
+        drafts, dists = (draw or greedy_draw)(logits[:, :steps])
+        return drafts + self.d2t[drafts], dists
+
+    @torch.no_grad()
+    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int, draw=None):
+        """Medusa's tree over the first `depth` heads: level l holds guesses of head l+1, below every
+        node of level l-1; the `total` best nodes by the product of their path's head probabilities,
+        each head offering its `topk` best tokens.
+
+        With `draw` (sampling) the tree has the same shape (decided by the heads' probabilities,
+        never by the draws), but a node's children are i.i.d. draws from the next head's
+        distribution (rejection sampling over siblings is exact only for such draws), and dists
+        [1 + n, V_draft] holds that distribution for every node (zeros for the deepest level, which
+        has no children). Returns (tokens [n] target ids, parents [n] with 0 = the root, dists or None)."""
+        heads = logits[0, :depth].float()
+        log_probs, top = torch.log_softmax(heads, -1).topk(min(topk, heads.shape[-1]))
+        nodes = best_nodes(log_probs.tolist(), total)
+        parents, levels, ranks = (torch.tensor(column, device=logits.device) for column in zip(*nodes))
+        if draw is None:
+            drafts = top[levels, ranks]
+            return drafts + self.d2t[drafts], parents, None
+        drafts, level_dists = torch.empty_like(levels), []
+        for level in range(int(levels.max()) + 1):
+            here = levels == level
+            drafts[here], dist = draw(heads[level].expand(int(here.sum()), -1))
+            level_dists.append(dist[0])
+        # the root's children come from head 1, the children of a level-l node from head l+2
+        below = torch.stack([*level_dists, torch.zeros_like(level_dists[0])])
+        return drafts + self.d2t[drafts], parents, below[F.pad(levels + 1, (1, 0))]
+
+
+def best_nodes(log_probs: list[list[float]], total: int) -> list[tuple[int, int, int]]:
+    """The `total` most likely nodes of the Cartesian tree whose level-l nodes take head l's tokens
+    (`log_probs[l]`, best first), a node scoring the sum over its path. Best-first: a node's first
+    child and its next sibling join the queue when it leaves it, so nodes leave by descending score,
+    each after its parent. Returns (parent, level, rank) per node; nodes count from 1, 0 = the root."""
+
+    def score(path):
+        return sum(log_probs[level][rank] for level, rank in enumerate(path))
+
+    queue = [(-score((0,)), (0,), 0)]
+    nodes: list[tuple[int, int, int]] = []
+    while queue and len(nodes) < total:
+        _, path, parent = heapq.heappop(queue)
+        level, rank = len(path) - 1, path[-1]
+        nodes.append((parent, level, rank))
+        if rank + 1 < len(log_probs[level]):
+            sibling = path[:-1] + (rank + 1,)
+            heapq.heappush(queue, (-score(sibling), sibling, parent))
+        if level + 1 < len(log_probs):
+            child = path + (0,)
+            heapq.heappush(queue, (-score(child), child, len(nodes)))
+    return nodes

@@ -1,0 +1,131 @@
+"""Scale-out on CPU: 2 processes over gloo, started by `python -m training.launch` as a user would.
+
+DDP and DeepSpeed ZeRO-2/3 must reach the weights of one process with the same global batch (2
+processes x 1 sequence = 1 process x 2 accumulated micro-batches), and resume from their own
+checkpoints; the launch plan renders without starting anything, and what cannot run is refused
+with one line."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_training import ROOT, one_line_error
+
+BASE = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "logger=none", "trainer.precision=fp32",
+        "trainer.schedule=constant", "trainer.warmup_steps=3", "trainer.log_every=1", "trainer.eval_every=100",
+        "trainer.eval_max_samples=4", "trainer.save_every=2", "trainer.batch_size=1"]
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+PORTS = itertools.count(29531)  # a fresh rendezvous port per launch
+
+
+def launch(run_dir, *overrides):
+    result = subprocess.run(
+        [sys.executable, "-m", "training.launch", *BASE, *overrides, f"launch.main_port={next(PORTS)}",
+         f"hydra.run.dir={run_dir}"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return output
+
+
+def weights(run_dir, step):
+    return load_file(os.path.join(run_dir, "checkpoints", f"step-{step}", "model.safetensors"))
+
+
+def assert_same_weights(mine, reference):
+    assert mine.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: one process, 2 accumulated micro-batches of 1 sequence, 4 steps."""
+    run_dir = tmp_path_factory.mktemp("one-process")
+    output = launch(run_dir, "trainer.grad_accum=2", "trainer.max_steps=4")
+    assert "global batch 2 = 1 per process x 2 accumulation x 1 processes" in output
+    return run_dir
+
+
+@pytest.mark.parametrize("mode", ["ddp", "zero2"])
+def test_two_processes_match_one_and_resume(one_process, tmp_path, mode):
+    run = ["launch.processes_per_node=2", f"distributed={mode}"]
+    output = launch(tmp_path, *run, "trainer.max_steps=2")
+    assert "global batch 2 = 1 per process x 1 accumulation x 2 processes" in output
+    assert_same_weights(weights(tmp_path, 2), weights(one_process, 2))
+    if mode == "zero2":  # DeepSpeed's own checkpoint: one optimizer shard per process
+        shards = os.listdir(tmp_path / "checkpoints" / "step-2" / "pytorch_model")
+        assert sum(name.endswith("optim_states.pt") for name in shards) == 2, shards
+
+    output = launch(tmp_path, *run, "trainer.max_steps=4", "trainer.resume=auto")
+    assert "resumed from" in output and "at step 2" in output
+    assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))
+
+
+def test_zero3_shards_the_drafter_not_the_target(one_process, tmp_path):
+    launch(tmp_path, "launch.processes_per_node=2", "distributed=zero3", "trainer.max_steps=4")
+    assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))  # gathered at save
+
+
+def plan(tmp_path, *overrides):
+    return subprocess.run([sys.executable, "-m", "training.launch", "launch.dry_run=true", *overrides,
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_renders_a_multi_node_plan_and_starts_nothing(tmp_path):
+    result = plan(tmp_path, "target=llama3_8b", "distributed=zero3", "launch.platform=rocm", "launch.nodes=4",
+                  "launch.processes_per_node=8", "launch.node_rank=3", "launch.main_address=10.1.0.1",
+                  "trainer.grad_accum=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    shown = result.stdout
+    assert "dry run: nothing started" in shown and "4 node(s) x 8 = 32, nccl between them" in shown
+    assert "global batch: 256 sequences = 4 per process x 2 accumulation x 32 processes" in shown
+    for filled in ("train_micro_batch_size_per_gpu: 4", "gradient_accumulation_steps: 2", "train_batch_size: 256",
+                   "gradient_clipping: 0.5", "stage: 3"):
+        assert filled in shown, filled
+    for argument in ("--num_machines 4", "--num_processes 32", "--machine_rank 3", "--main_process_ip 10.1.0.1",
+                     "-m training.run target=llama3_8b distributed=zero3 trainer.grad_accum=2"):
+        assert argument in shown, argument
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["distributed=fsdp", "launch.processes_per_node=2"], "distributed=fsdp needs GPUs"),
+    (["distributed=none", "launch.processes_per_node=2"], "use distributed=ddp"),
+    (["distributed=zero2", "distributed.deepspeed.train_micro_batch_size_per_gpu=8"], "leave it auto"),
+])
+def test_what_cannot_run_still_renders_then_is_refused_in_one_line(tmp_path, overrides, fragment):
+    result = plan(tmp_path, "target=tiny_llama", *overrides)
+    assert "launch plan" in result.stdout
+    one_line_error(result, fragment)
+
+
+def test_fsdp_renders_for_gpus_and_is_refused_by_the_trainer_on_cpu(tmp_path):
+    assert plan(tmp_path / "plan", "distributed=fsdp", "launch.platform=cuda",
+                "launch.processes_per_node=8").returncode == 0
+    result = subprocess.run([sys.executable, "-m", "training.run", *BASE, "distributed=fsdp",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=120)
+    one_line_error(result, "distributed=fsdp needs GPUs")
+
+
+def test_slurm_script_starts_each_node_with_its_rank(tmp_path):
+    """launch/slurm.sbatch under stand-ins for scontrol and srun (srun runs the task as node 1 of 2)."""
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    (stand_ins / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    (stand_ins / "srun").write_text('#!/bin/sh\nshift\nSLURM_NODEID=1 exec "$@"\n')  # drops --kill-on-bad-exit
+    for tool in stand_ins.iterdir():
+        tool.chmod(0o755)
+    env = {**ENV, "PATH": f"{stand_ins}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_SUBMIT_DIR": ROOT, "RUN_DIR": str(tmp_path / "run")}
+    result = subprocess.run(["bash", "launch/slurm.sbatch", "launch.dry_run=true", "distributed=zero2"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "platform: rocm" in result.stdout
+    assert ("--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip gpu-a" in result.stdout)
+    assert f"distributed=zero2 hydra.run.dir={tmp_path / 'run'}" in result.stdout

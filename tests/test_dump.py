@@ -1,0 +1,165 @@
+"""The offline hidden-state cache (`python -m training.dump`, `data.hidden_states=offline`) on the
+tiny random target: it reproduces the online teacher, resumes after a kill without rewriting
+finished shards, dumps data-parallel, and refuses a cache made for another run."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from drafters.errors import UserError
+from drafters.target import load_target
+from conftest import compose_train
+from test_training import ROOT, TINY, one_line_error, records
+from training import hidden_cache
+from training.dump import dump
+from training.trainer import build_model, make_batch, make_teacher, prepare_data
+
+SETTINGS = [*TINY, "data.cache.shard_sequences=4", "logger=none"]
+ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def settings(cache_dir, *more):
+    return [*SETTINGS, f"data.cache.dir={cache_dir}", *more]
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """A bf16 and an fp8 cache of the tiny target, dumped in this process."""
+    made = {}
+    for dtype in ("bf16", "fp8"):
+        directory = tmp_path_factory.mktemp(f"cache-{dtype}")
+        cfg = compose_train(settings(directory, f"data.cache.dtype={dtype}"))
+        made[dtype] = (cfg, dump(cfg))
+    return made
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("bf16", 2**-8), ("fp8", 2**-4)])
+def test_offline_teacher_and_loss_match_online(caches, tmp_path, dtype, tolerance):
+    cfg, result = caches[dtype]
+    assert result["written"] == 11 and result["skipped"] == 0  # 26 train + 16 eval sequences, 4 per shard
+    stats = result["cache"]
+    # 3 aux vectors per token, the final one only at teacher positions: under speculators' 4 bf16 vectors
+    assert stats["ratio_to_speculators"] < (0.95 if dtype == "bf16" else 0.5), stats
+
+    target = load_target(cfg.target)
+    train_set, eval_set = prepare_data(cfg, target)
+    drafter, vocab, _ = build_model(cfg, target, train_set, str(tmp_path))
+    layers = drafter.capture_layers()
+    online = make_teacher(cfg, target, vocab, layers, train_set, eval_set)
+    offline = make_teacher(OmegaConf.merge(cfg, {"data": {"hidden_states": "offline"}}), target, vocab, layers,
+                           train_set, eval_set)
+    indices = [5, 0, 13, 21]  # across shards, in an order of their own
+    batch = make_batch(train_set, indices, target.tokenizer.pad_token_id or 0, "cpu")
+    live, stored = online("train", indices, batch), offline("train", indices, batch)
+
+    real = batch["attention_mask"].bool()
+    for live_aux, stored_aux in zip(live.aux, stored.aux):
+        scale = live_aux.abs().amax(-1, keepdim=True)  # fp8 error is relative to each vector's max
+        assert ((stored_aux - live_aux).abs() <= tolerance * scale)[real].all()
+        assert (stored_aux[~real] == 0).all()
+    taught = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()  # teacher positions
+    error = (stored.final - live.final).abs()
+    assert (error <= tolerance * live.final.abs().amax(-1, keepdim=True))[taught].all()
+    assert (live.teacher_token == stored.teacher_token)[taught].float().mean() > 0.97
+    with torch.no_grad():
+        loss_live, _ = drafter(batch, live)
+        loss_stored, _ = drafter(batch, stored)
+    assert abs(loss_stored.item() - loss_live.item()) <= 2 * tolerance * loss_live.item(), (loss_live, loss_stored)
+
+
+def test_a_stale_or_missing_cache_is_refused(caches, tmp_path):
+    cfg, _ = caches["bf16"]
+    target = load_target(cfg.target)
+    train_set, eval_set = prepare_data(cfg, target)
+    layers = [2, 4, 5]
+    hidden_cache.HiddenCache.open(cfg, target, layers, train_set, eval_set)  # the matching run is accepted
+
+    with pytest.raises(UserError, match="stale: it holds layers"):
+        hidden_cache.HiddenCache.open(cfg, target, [1, 2, 3], train_set, eval_set)
+    other_data = compose_train(settings(cfg.data.cache.dir, "data.max_samples=50"))
+    with pytest.raises(UserError, match="stale: it holds data"):
+        hidden_cache.HiddenCache.open(other_data, target, layers, *prepare_data(other_data, target))
+    other_target = load_target(compose_train(["target=tiny_llama", "target.random_init.seed=7"]).target)
+    with pytest.raises(UserError, match="stale: it holds target_fingerprint"):
+        hidden_cache.HiddenCache.open(cfg, other_target, layers, train_set, eval_set)
+    with pytest.raises(UserError, match="no hidden-state cache"):
+        hidden_cache.HiddenCache.open(compose_train(settings(tmp_path / "none")), target, layers, train_set, eval_set)
+
+
+def test_offline_training_and_its_one_line_refusal(caches, tmp_path):
+    cfg, _ = caches["bf16"]
+    run = [sys.executable, "-m", "training.run", *settings(cfg.data.cache.dir, "data.hidden_states=offline",
+                                                           "trainer.max_steps=2", "trainer.log_every=1")]
+    result = subprocess.run([*run, f"hydra.run.dir={tmp_path / 'ok'}"], cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "hidden states: offline" in result.stdout + result.stderr
+    assert [r["step"] for r in records(tmp_path / "ok") if "train/loss" in r] == [1, 2]
+
+    refused = subprocess.run([*run, "drafter.aux_layers=[1,2,3]", f"hydra.run.dir={tmp_path / 'stale'}"], cwd=ROOT,
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    one_line_error(refused, "is stale", "layers=[2, 4, 5]", "layers=[1, 2, 3]")
+
+
+def shard_state(directory):
+    return {name: (os.stat(directory / name).st_ino, os.stat(directory / name).st_mtime_ns)
+            for name in os.listdir(directory) if name.endswith(".safetensors")}
+
+
+def assert_same_shards(directory, reference):
+    names = sorted(name for name in os.listdir(reference) if name.endswith(".safetensors"))
+    assert names == sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+    for name in names:
+        mine, theirs = load_file(directory / name), load_file(reference / name)
+        assert mine.keys() == theirs.keys()
+        for key in theirs:
+            assert mine[key].view(torch.uint8).equal(theirs[key].view(torch.uint8)), (name, key)
+
+
+def test_killed_dump_resumes_without_rewriting_finished_shards(caches, tmp_path):
+    cfg, _ = caches["bf16"]
+    directory = tmp_path / "cache"
+    overrides = settings(directory, f"hydra.run.dir={tmp_path / 'run'}")
+    process = subprocess.Popen([sys.executable, "-m", "training.dump", *overrides], cwd=ROOT, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    written = 0
+    for line in process.stdout:
+        written += "dump: wrote" in line
+        if written == 2:
+            process.send_signal(signal.SIGKILL)
+            break
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the dump finished before it could be killed"
+    assert not hidden_cache.read_index(str(directory))["complete"]
+    finished = shard_state(directory)
+    assert 2 <= len(finished) < 11
+    (directory / ".train-00006.safetensors.partial").write_bytes(b"half a shard")  # as a kill mid-write leaves
+
+    result = dump(compose_train(overrides))
+    assert result["skipped"] == len(finished) and result["written"] == 11 - len(finished)
+    assert {name: shard_state(directory)[name] for name in finished} == finished, "a finished shard was rewritten"
+    assert not [name for name in os.listdir(directory) if name.endswith(".partial")]
+    assert hidden_cache.read_index(str(directory))["complete"]
+    assert_same_shards(directory, Path(cfg.data.cache.dir))
+
+
+def test_two_process_dump_writes_the_same_cache(caches, tmp_path):
+    cfg, _ = caches["bf16"]
+    directory = tmp_path / "cache"
+    result = subprocess.run(
+        [sys.executable, "-m", "training.launch", *settings(directory), "launch.module=training.dump",
+         "launch.processes_per_node=2", "launch.main_port=29517", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    # each process wrote its own shards: 0, 2, 4, ... and 1, 3, 5, ... of each split
+    assert "dump process 0: wrote 6 shards" in output and "dump process 1: wrote 5 shards" in output
+    assert hidden_cache.read_index(str(directory))["complete"]
+    assert_same_shards(directory, Path(cfg.data.cache.dir))

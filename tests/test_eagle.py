@@ -1,0 +1,205 @@
+"""EAGLE-1 (drafters/eagle.py): layout and frozen parts, the loss against a reference written from
+the serving path, training on one answer until serving accepts it, lossless greedy serving,
+artifacts for native / vLLM / SGLang, and losslessness on the real SmolLM2. tests/test_medusa.py
+builds on the helpers here."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from conftest import VARIED_TARGET, compose_train, train_steps
+from drafters.artifact import SavedDrafter, default_proposal, read, verifier_of, write_native
+from drafters.base import build_drafter, capture
+from drafters.errors import UserError
+from drafters.layers import DraftCache
+from drafters.target import load_target
+from drafters.vocab import build_draft_vocab
+from export import formats
+from serving.engine import generate_plain, generate_spec
+from test_engine import PROMPTS, chat_ids
+
+def train_cfg(*overrides):
+    return compose_train([*VARIED_TARGET, "drafter=eagle", *overrides])
+
+
+def vocab_over(target, tokens, size=512):
+    """A draft vocabulary holding `tokens` (padded with the lowest other ids)."""
+    return build_draft_vocab([(tokens, [1] * len(tokens))], target.spec.vocab_size, size, {"tokens": len(tokens)})
+
+
+def conversation(target, tokens=40):
+    """A prompt, the target's greedy answer, and the two as a training batch on the answer."""
+    ids = chat_ids(target, PROMPTS[0])
+    reply, _ = generate_plain(target, ids, tokens, set())
+    sequence = torch.cat([ids, torch.tensor([reply])], 1)
+    loss_mask = torch.zeros_like(sequence)
+    loss_mask[:, ids.shape[1]:] = 1
+    return ids, reply, {"input_ids": sequence, "attention_mask": torch.ones_like(sequence), "loss_mask": loss_mask}
+
+
+def saved(drafter, target_cfg) -> SavedDrafter:
+    """The drafter as an artifact would hold it, for the format writers."""
+    hparams, target_cfg = drafter.hparams(), OmegaConf.to_container(target_cfg, resolve=True)
+    return SavedDrafter(drafter.name, hparams, verifier_of(drafter.spec.to_dict(), target_cfg), target_cfg,
+                        {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()},
+                        default_proposal(hparams))
+
+
+def native_round_trip(drafter, target_cfg, target, ids, directory) -> SavedDrafter:
+    """Write the drafter as a native artifact and check that what reads back drafts the same."""
+    saved_drafter = saved(drafter, target_cfg)
+    directory.mkdir()
+    write_native(saved_drafter, str(directory))
+    rebuilt = read(str(directory)).build(str(directory)).eval()
+    aux, _ = target.capture(ids, None, drafter.capture_layers())
+    tokens = ids.roll(-1, 1)
+    torch.testing.assert_close(rebuilt.extend(rebuilt.new_cache(), aux, tokens),
+                               drafter.extend(drafter.new_cache(), aux, tokens))
+    return saved_drafter
+
+
+def write_format(saved_drafter, fmt, directory):
+    """`saved_drafter` written by format `fmt` into a new `directory`: its config and weights."""
+    directory.mkdir()
+    formats.writer(fmt, saved_drafter.drafter).write_checked(saved_drafter, str(directory), "test")
+    return OmegaConf.load(directory / "config.json"), load_file(directory / "model.safetensors")
+
+
+def assert_lossless_on_smollm2(drafter_name, **tree):
+    """An untrained head on the real SmolLM2-135M (float32: no bf16 near-ties), greedy chain and tree."""
+    cfg = compose_train(["target=llama", "target.dtype=float32", f"drafter={drafter_name}"])
+    smollm2 = load_target(cfg.target)
+    stream = torch.randint(0, smollm2.spec.vocab_size, (20000,), generator=torch.Generator().manual_seed(0)).tolist()
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg.drafter, smollm2, vocab_over(smollm2, stream, 4096)).eval()
+    eos = {smollm2.tokenizer.eos_token_id}
+    ids = chat_ids(smollm2, PROMPTS[0])
+    plain, _ = generate_plain(smollm2, ids, 16, eos)
+    assert generate_spec(smollm2, drafter, ids, 16, eos, steps=5)[0] == plain
+    assert generate_spec(smollm2, drafter, ids, 16, eos, draft="tree", **tree)[0] == plain
+
+
+def plain_replies(target):
+    """The target's greedy answers to the other prompts: what lossless serving must reproduce."""
+    return {text: generate_plain(target, chat_ids(target, text), 24, set())[0] for text in PROMPTS[1:]}
+
+
+@pytest.fixture(scope="module")
+def target(varied_target):
+    return varied_target
+
+
+@pytest.fixture(scope="module")
+def answer(varied_target):
+    return conversation(varied_target)
+
+
+def make_drafter(target, vocab, seed=0):
+    torch.manual_seed(seed)
+    return build_drafter(train_cfg().drafter, target, vocab)
+
+
+def test_layout_frozen_target_parts_and_feature(target, answer):
+    _, reply, batch = answer
+    vocab = vocab_over(target, reply)
+    drafter = make_drafter(target, vocab)
+    width = target.spec.hidden_size
+    assert drafter.capture_layers() == [target.spec.num_layers]  # the last layer's output
+    assert drafter.fc.weight.shape == (width, 2 * width) and drafter.fc.bias is None
+    assert drafter.midlayer.self_attn.q_proj.weight.shape[1] == width
+    assert not hasattr(drafter.midlayer, "input_layernorm")  # EAGLE's first layer has none
+    assert torch.equal(drafter.lm_head.weight, target.lm_head_weight[vocab.draft_ids].float())
+    trainable = {name for name, p in drafter.named_parameters() if p.requires_grad}
+    assert trainable and all(name.startswith(("fc.", "midlayer.")) for name in trainable)
+    # fuse = the target's final norm on the last layer's output: the target's own final hidden state
+    aux, final = target.capture(batch["input_ids"], None, drafter.capture_layers())
+    torch.testing.assert_close(drafter.fuse(aux), final)
+
+
+def test_loss_matches_a_reference_built_on_the_serving_path(target, answer):
+    """Position t reads f_t and token t+1 and predicts f_{t+1}; lm_head on it meets the teacher at
+    t+1. The reference gets its predictions from `step` over a DraftCache (what serving runs) and
+    sums the two terms row by row."""
+    _, reply, batch = answer
+    vocab = vocab_over(target, reply)
+    drafter = make_drafter(target, vocab).eval()
+    generator = torch.Generator().manual_seed(0)
+    batch = {**batch, "loss_mask": torch.randint(0, 2, batch["loss_mask"].shape, generator=generator)}
+    captured = capture(target, vocab, batch, drafter.capture_layers())
+    loss, metrics = drafter.loss(batch, captured)
+    assert sorted(metrics) == ["acc/1", "loss/feature", "loss/token"]
+
+    ids = batch["input_ids"]
+    feature = drafter.fuse(captured.aux)
+    with torch.no_grad():
+        predicted, logits = drafter.step(DraftCache(), F.pad(ids[:, 1:], (0, 1)), feature,
+                                         drafter.positions(0, ids))
+    feature_terms, token_terms = [], []
+    for t in range(ids.shape[1] - 2):
+        if batch["loss_mask"][0, t + 2] and captured.in_vocab[0, t + 1]:
+            feature_terms.append(F.smooth_l1_loss(predicted[0, t], feature[0, t + 1]))
+            teacher = torch.softmax(captured.teacher_logits[0, t + 1].float(), -1)
+            token_terms.append(-(teacher * torch.log_softmax(logits[0, t], -1)).sum())
+    assert feature_terms
+    expected = torch.stack(feature_terms).mean() + 0.1 * torch.stack(token_terms).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-4, atol=1e-5)
+
+    # training adds noise to the input features: same batch, another loss
+    assert drafter.train().loss(batch, captured)[0].item() != loss.item()
+    empty = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    assert drafter.loss(empty, captured)[0].item() == 0.0
+
+
+def test_trained_on_an_answer_it_drafts_that_answer(target, answer):
+    """A few hundred real optimizer steps on one answer: the loss falls, and serving (chain and
+    EAGLE-2 tree, feeding the head its own features) accepts nearly every draft, losslessly."""
+    ids, reply, batch = answer
+    drafter = make_drafter(target, vocab_over(target, reply))
+    history = train_steps(drafter, batch, capture(target, drafter.vocab, batch, drafter.capture_layers()), 120)
+    assert history[-1][0] < 0.3 * history[0][0] and history[-1][1] >= 0.9
+    drafter.eval()
+    chain, chain_stats = generate_spec(target, drafter, ids, 40, set(), steps=5)
+    tree, tree_stats = generate_spec(target, drafter, ids, 40, set(), draft="tree", depth=5, topk=3, total=12)
+    assert chain == tree == reply
+    assert chain_stats.accept_len >= 4.0 and tree_stats.accept_len >= 4.0  # 5.0 is the most possible
+
+
+@pytest.mark.parametrize("options", [dict(steps=6), dict(steps=6, min_prob=0.05),
+                                     dict(draft="tree", depth=4, topk=3, total=10)])
+def test_untrained_head_serves_losslessly(target, options):
+    drafter = make_drafter(target, vocab_over(target, list(range(0, 40000, 7)), 2048)).eval()
+    for text, plain in plain_replies(target).items():
+        assert generate_spec(target, drafter, chat_ids(target, text), 24, set(), **options)[0] == plain
+
+
+def test_artifacts_native_vllm_sglang(target, answer, tmp_path):
+    ids, reply, _ = answer
+    drafter = make_drafter(target, vocab_over(target, reply)).eval()
+    saved_drafter = native_round_trip(drafter, train_cfg().target, target, ids, tmp_path / "native")
+
+    # SGLang: the EAGLE repo's names, a zero fc bias, the draft vocabulary as FR-Spec's token map
+    config, weights = write_format(saved_drafter, "sglang", tmp_path / "sglang")
+    assert config.architectures == ["LlamaForCausalLMEagle"] and config.num_hidden_layers == 1
+    assert torch.equal(weights["layers.0.self_attn.q_proj.weight"],
+                       saved_drafter.weights["midlayer.self_attn.q_proj.weight"])
+    assert not torch.any(weights["fc.bias"]) and "layers.0.input_layernorm.weight" not in weights
+    assert not any(name.startswith(("embed_tokens", "lm_head", "target_norm", "midlayer", "d2t")) for name in weights)
+    assert torch.equal(torch.load(tmp_path / "sglang" / "token_map.pt"), saved_drafter.vocab().draft_ids)
+
+    # vLLM has no draft-vocabulary map for EAGLE-1: refused unless the vocabulary is the whole one
+    with pytest.raises(UserError, match="drafter.draft_vocab_size=49152"):
+        formats.writer("vllm", "eagle").write_checked(saved_drafter, str(tmp_path / "refused"), "test")
+    full = saved(make_drafter(target, vocab_over(target, reply, target.spec.vocab_size)), train_cfg().target)
+    config, vllm_weights = write_format(full, "vllm", tmp_path / "vllm")
+    assert config.architectures == ["LlamaForCausalLM"] and config.vocab_size == target.spec.vocab_size
+    assert sorted(vllm_weights) == sorted(name for name in weights if name != "fc.bias")
+    assert not os.path.exists(tmp_path / "vllm" / "token_map.pt")
+
+
+@pytest.mark.slow
+def test_smollm2_serves_losslessly_in_float32():
+    assert_lossless_on_smollm2("eagle", depth=4, topk=4, total=16)
