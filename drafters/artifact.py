@@ -105,9 +105,24 @@ def verifier_of(spec: dict, target: dict, name_or_path: str | None = None) -> di
     return {**spec, "architecture": causal_lm_architecture(spec["model_type"]), "name_or_path": name_or_path}
 
 
+EAGLE_DEPTH = 5  # the EAGLE repo's draft depth
+
+
+def default_steps(hparams: dict) -> int:
+    """How many tokens a head drafts per target forward unless told otherwise, read off its
+    hyper-parameters: the unroll it was trained for (`ttt_steps`: EAGLE-3, MTP, Gemma MTP), a
+    block's draft slots (`block_size` - 1: DFlash, DSpark; the first slot holds the bonus token),
+    its heads (`num_heads`: Medusa; checked last, Gemma MTP's `num_heads` are attention heads).
+    A head with none of these drafts step by step with no trained length (EAGLE-1): EAGLE_DEPTH."""
+    if "ttt_steps" in hparams:
+        return int(hparams["ttt_steps"])
+    if "block_size" in hparams:
+        return max(1, int(hparams["block_size"]) - 1)
+    return int(hparams.get("num_heads", EAGLE_DEPTH))
+
+
 def default_proposal(hparams: dict) -> dict:
-    # a chain as long as the unroll the head was trained for (what training-time test optimized)
-    return {"draft": "chain", "steps": int(hparams.get("ttt_steps", 1))}
+    return {"draft": "chain", "steps": default_steps(hparams)}
 
 
 def read_json(path: str, where: str) -> dict:

@@ -32,7 +32,8 @@ class Eagle(StepDrafter):
         width = spec.hidden_size
         self.layer_config = draft_layer_config(spec)
         self.embed_tokens = nn.Embedding(spec.vocab_size, width).requires_grad_(False)
-        self.fc = nn.Linear(2 * width, width, bias=False)  # vLLM's EAGLE-1 fc has no bias
+        # vLLM's EAGLE-1 fc has no bias; the EAGLE repo's and SGLang's have one (fc_bias: heads imported from them)
+        self.fc = nn.Linear(2 * width, width, bias=bool(cfg.get("fc_bias", False)))
         self.midlayer = DraftLayer(self.layer_config, width)
         self.lm_head = nn.Linear(width, vocab.draft_size, bias=False).requires_grad_(False)  # the target's
         self.target_norm = TargetNorm(spec)
@@ -47,6 +48,7 @@ class Eagle(StepDrafter):
     def hparams(self):
         return {
             "draft_vocab_size": self.vocab.draft_size,
+            "fc_bias": self.fc.bias is not None,
             "layer_config": self.layer_config.to_dict(),
             "feature_noise": float(self.cfg.feature_noise),
             "feature_weight": float(self.cfg.feature_weight),

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from drafters.base import Captured, register
-from drafters.layers import DraftCache, DraftLayer, draft_layer_config, ttt_attention
+from drafters.layers import DraftCache, DraftLayer, add_fused_head, copy_target_head, draft_layer_config, ttt_attention
 from drafters.losses import distill, trained_positions
 from drafters.proposal import StepDrafter
 
@@ -39,16 +38,9 @@ class Eagle3(StepDrafter):
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         self.layer_config = draft_layer_config(spec)
-        width = spec.hidden_size
         self.aux_layers = list(cfg.aux_layers) if cfg.get("aux_layers") else default_aux_layers(spec.num_layers)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, width).requires_grad_(False)
-        self.fc = nn.Linear(len(self.aux_layers) * width, width, bias=False)
+        add_fused_head(self, spec, vocab, len(self.aux_layers), self.layer_config)
         self.midlayer = Eagle3Layer(self.layer_config)
-        self.norm = LlamaRMSNorm(width, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(width, vocab.draft_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(self.layer_config)
-        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
-        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
     def capture_layers(self):
         return self.aux_layers
@@ -62,13 +54,8 @@ class Eagle3(StepDrafter):
             "layer_config": self.layer_config.to_dict(),
         }
 
-    @torch.no_grad()
     def init_from_target(self, target):
-        self.embed_tokens.weight.copy_(target.embed_weight.float())
-        if self.cfg.get("init_head_from_target", True):
-            # Warm start: the target's own final norm + lm_head rows of the draft vocabulary.
-            self.lm_head.weight.copy_(target.lm_head_weight[self.vocab.draft_ids].float())
-            self.norm.weight.copy_(target.model.model.norm.weight.float())
+        copy_target_head(self, target)
 
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         return self.fc(torch.cat(aux, -1).to(self.fc.weight.dtype))

@@ -26,7 +26,7 @@ from drafters.errors import UserError
 from drafters.layers import TargetNorm
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
-from drafters.target import TargetClasses, full_attention_rope
+from drafters.target import TargetClasses, full_attention_rope, full_attention_rope_parameters
 
 
 class AssistantAttention(nn.Module):
@@ -109,8 +109,7 @@ def readable_kv_layer(spec, classes: TargetClasses) -> int:
     cannot = f"drafter=gemma_mtp reads per-head, fully RoPE'd keys from the target's KV cache; target {spec.name} ({spec.model_type})"
     if spec.hf_config.get("kv_lora_rank"):
         raise UserError(f"{cannot} caches multi-head latent attention (a compressed KV), which it cannot read")
-    rope = spec.hf_config.get("rope_parameters") or {}
-    rope = rope.get("full_attention", rope)  # Gemma 3 keeps one per attention kind
+    rope = full_attention_rope_parameters(spec.hf_config.get("rope_parameters") or {})
     partial = float(rope.get("partial_rotary_factor") or spec.hf_config.get("partial_rotary_factor") or 1.0)
     if partial < 1.0:
         raise UserError(f"{cannot} rotates only part of each key (partial_rotary_factor={partial})")

@@ -9,13 +9,15 @@ import math
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv, rotate_half
 
-from drafters.target import Target, TargetSpec
+from drafters.target import Target, TargetSpec, full_attention_rope_parameters
 
 
 def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
     """A Llama config with the target's widths, heads and RoPE: the drafter's own decoder layers.
+    They attend over the whole draft context, so they rotate like the target's full-attention
+    layers (on Gemma 3: its full-attention RoPE, not the sliding-window layers' local base).
 
     The same config is what vLLM/SGLang read as the draft model's `transformer_layer_config`.
     """
@@ -27,7 +29,7 @@ def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
         head_dim=spec.head_dim,
         num_hidden_layers=num_layers,
         rms_norm_eps=spec.rms_norm_eps,
-        rope_parameters=dict(spec.rope_parameters),
+        rope_parameters=full_attention_rope_parameters(spec.rope_parameters),
         max_position_embeddings=spec.max_position_embeddings,
         vocab_size=spec.vocab_size,
         attention_bias=False,
@@ -36,12 +38,18 @@ def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:
     )
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [B, heads, T, D] with the rotary embedding's [B, T, D] cos/sin (Llama's rotation)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
 class DraftAttention(nn.Module):
     """Llama attention over `input_size`-wide inputs (EAGLE-3: [embedding ; feature], 2H; EAGLE-1: H).
     `project` gives the queries/keys/values; the caller's `attend(q, k, v)` decides what they see
-    (TTT attention in training, a DraftCache at serving)."""
+    (TTT attention in training, a DraftCache at serving). `qk_norm`: Qwen3's per-head RMSNorm on
+    queries and keys before RoPE (the DFlash layer's)."""
 
-    def __init__(self, config, input_size: int):
+    def __init__(self, config, input_size: int, qk_norm: bool = False):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.heads, self.kv_heads = config.head_dim, heads, kv_heads
@@ -49,16 +57,32 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(input_size, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(input_size, kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=False)
+        if qk_norm:
+            self.q_norm = LlamaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q, k, v as [B, heads, T, D] with RoPE applied and kv heads expanded."""
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, length, self.heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        k, v = self.keys_values(x, cos, sin)
+        q = rope(q.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """k, v alone as [B, heads, T, D] (RoPE applied, kv heads expanded): what a context of
+        features contributes to attention (DFlash's target context)."""
+        batch, length, _ = x.shape
+        k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = rope(k.transpose(1, 2), cos, sin)
         groups = self.heads // self.kv_heads
-        return q, repeat_kv(k, groups), repeat_kv(v, groups)
+        return repeat_kv(k, groups), repeat_kv(v, groups)
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = attended.shape
@@ -70,9 +94,9 @@ class DraftLayer(nn.Module):
     MLP block. Drafters prepare `x` (EAGLE-3 norms and concatenates two inputs; EAGLE-1's first
     layer takes fc's output as is)."""
 
-    def __init__(self, config, input_size: int):
+    def __init__(self, config, input_size: int, qk_norm: bool = False):
         super().__init__()
-        self.self_attn = DraftAttention(config, input_size)
+        self.self_attn = DraftAttention(config, input_size, qk_norm)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -99,6 +123,30 @@ class TargetNorm(LlamaRMSNorm):
         scale = norm(torch.ones_like(weight)).float() * math.sqrt(1 + self.variance_epsilon)
         offset = 1.0 if (scale - weight - 1).abs().max() < (scale - weight).abs().max() else 0.0
         self.weight.copy_(weight + offset)
+
+
+def add_fused_head(drafter: nn.Module, spec: TargetSpec, vocab, inputs: int, layer_config) -> None:
+    """What EAGLE-3 and DFlash both hold around their decoder layers: the target's token embedding
+    (frozen), `fc` fusing `inputs` target hidden states (inputs x H -> H), the final norm and lm_head
+    over the draft vocabulary, the RoPE of `layer_config`, and the draft <-> target id maps."""
+    width = spec.hidden_size
+    drafter.embed_tokens = nn.Embedding(spec.vocab_size, width).requires_grad_(False)
+    drafter.fc = nn.Linear(inputs * width, width, bias=False)
+    drafter.norm = LlamaRMSNorm(width, spec.rms_norm_eps)
+    drafter.lm_head = nn.Linear(width, vocab.draft_size, bias=False)
+    drafter.rotary = LlamaRotaryEmbedding(layer_config)
+    drafter.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
+    drafter.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
+
+
+@torch.no_grad()
+def copy_target_head(drafter: nn.Module, target: Target) -> None:
+    """The drafter's frozen token embedding, and (unless `init_head_from_target: false`) a warm start
+    of its final norm + lm_head: the target's own, on the draft vocabulary's rows."""
+    drafter.embed_tokens.weight.copy_(target.embed_weight.float())
+    if drafter.cfg.get("init_head_from_target", True):
+        drafter.lm_head.weight.copy_(target.lm_head_weight[drafter.vocab.draft_ids].float())
+        drafter.norm.weight.copy_(target.model.model.norm.weight.float())
 
 
 class DraftCache:

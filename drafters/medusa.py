@@ -20,16 +20,15 @@ Weight names are those of vLLM's `MedusaModel` (`blocks.{k}.layers.{j}`, `lm_hea
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Captured, Drafter, greedy_draw, register
+from drafters.base import Captured, register
 from drafters.errors import UserError
 from drafters.layers import DraftCache, TargetNorm
 from drafters.losses import distill, trained_positions
+from drafters.proposal import ParallelDrafter
 
 
 class ResidualBlocks(nn.Module):
@@ -50,7 +49,7 @@ class ResidualBlocks(nn.Module):
 
 
 @register("medusa")
-class Medusa(Drafter):
+class Medusa(ParallelDrafter):
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         if int(cfg.num_heads) < 1 or int(cfg.num_layers) < 0:
@@ -103,7 +102,7 @@ class Medusa(Drafter):
             metrics[f"loss/{k}"] = head_loss.item()
         return total, metrics
 
-    # ---- serving (the engine contract of drafters/proposal.py)
+    # ---- serving: chains and trees of the heads' guesses (ParallelDrafter)
 
     def new_cache(self, target_cache=None) -> DraftCache:
         return DraftCache()  # stays empty: the heads read nothing but the newest hidden state
@@ -115,62 +114,3 @@ class Medusa(Drafter):
         [B, K, V_draft] for the tokens after the bonus)."""
         hidden = self.hidden([states[:, -1:] for states in aux])
         return hidden, self.head_logits(hidden[:, 0])
-
-    @torch.no_grad()
-    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
-        """Head k's token as draft k, for the first min(steps, K) heads (target ids [B, k]), with the
-        distributions they were drawn from [B, k, V_draft]. Every head draws on its own, which is
-        what rejection sampling needs: each draft comes from a distribution fixed before it."""
-        drafts, dists = (draw or greedy_draw)(logits[:, :steps])
-        return drafts + self.d2t[drafts], dists
-
-    @torch.no_grad()
-    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int, draw=None):
-        """Medusa's tree over the first `depth` heads: level l holds guesses of head l+1, below every
-        node of level l-1; the `total` best nodes by the product of their path's head probabilities,
-        each head offering its `topk` best tokens.
-
-        With `draw` (sampling) the tree has the same shape (decided by the heads' probabilities,
-        never by the draws), but a node's children are i.i.d. draws from the next head's
-        distribution (rejection sampling over siblings is exact only for such draws), and dists
-        [1 + n, V_draft] holds that distribution for every node (zeros for the deepest level, which
-        has no children). Returns (tokens [n] target ids, parents [n] with 0 = the root, dists or None)."""
-        heads = logits[0, :depth].float()
-        log_probs, top = torch.log_softmax(heads, -1).topk(min(topk, heads.shape[-1]))
-        nodes = best_nodes(log_probs.tolist(), total)
-        parents, levels, ranks = (torch.tensor(column, device=logits.device) for column in zip(*nodes))
-        if draw is None:
-            drafts = top[levels, ranks]
-            return drafts + self.d2t[drafts], parents, None
-        drafts, level_dists = torch.empty_like(levels), []
-        for level in range(int(levels.max()) + 1):
-            here = levels == level
-            drafts[here], dist = draw(heads[level].expand(int(here.sum()), -1))
-            level_dists.append(dist[0])
-        # the root's children come from head 1, the children of a level-l node from head l+2
-        below = torch.stack([*level_dists, torch.zeros_like(level_dists[0])])
-        return drafts + self.d2t[drafts], parents, below[F.pad(levels + 1, (1, 0))]
-
-
-def best_nodes(log_probs: list[list[float]], total: int) -> list[tuple[int, int, int]]:
-    """The `total` most likely nodes of the Cartesian tree whose level-l nodes take head l's tokens
-    (`log_probs[l]`, best first), a node scoring the sum over its path. Best-first: a node's first
-    child and its next sibling join the queue when it leaves it, so nodes leave by descending score,
-    each after its parent. Returns (parent, level, rank) per node; nodes count from 1, 0 = the root."""
-
-    def score(path):
-        return sum(log_probs[level][rank] for level, rank in enumerate(path))
-
-    queue = [(-score((0,)), (0,), 0)]
-    nodes: list[tuple[int, int, int]] = []
-    while queue and len(nodes) < total:
-        _, path, parent = heapq.heappop(queue)
-        level, rank = len(path) - 1, path[-1]
-        nodes.append((parent, level, rank))
-        if rank + 1 < len(log_probs[level]):
-            sibling = path[:-1] + (rank + 1,)
-            heapq.heappush(queue, (-score(sibling), sibling, parent))
-        if level + 1 < len(log_probs):
-            child = path + (0,)
-            heapq.heappush(queue, (-score(child), child, len(nodes)))
-    return nodes

@@ -1,14 +1,26 @@
-"""Serving for drafters that propose one token per forward and feed their own feature back
-(EAGLE-3, EAGLE-1, MTP): context extension, chain and EAGLE-2 tree proposal over a DraftCache.
+"""The serving side of drafters, in two shapes the engine drives the same way:
 
-A subclass provides `fuse(aux)` (target features -> its input feature) and
-`step(cache, tokens, feature, positions, mask) -> (feature, draft logits)`; draft ids map to
-target ids through its `d2t` buffer.
+- `StepDrafter`: one token per drafter forward, its own feature fed back (EAGLE-3, EAGLE-1, MTP):
+  context extension, chain and EAGLE-2 tree proposal over a DraftCache. A subclass provides
+  `fuse(aux)` (target features -> its input feature) and
+  `step(cache, tokens, feature, positions, mask) -> (feature, draft logits)`.
+- `ParallelDrafter`: every position ahead from one forward (Medusa's heads, DFlash's block):
+  `extend` returns logits [B, K, V_draft] for the K tokens after the bonus token, and chains and
+  trees are built from those fixed per-position distributions.
+
+The engine's contract: `new_cache(target_cache)`, `extend(cache, aux, next_tokens) -> (feature,
+logits)`, `propose_chain(...) -> (tokens, dists, confidence)` and `propose_tree(...) -> (tokens,
+parents, dists)`. `confidence` [B, steps] is the drafter's estimate that each draft is accepted
+(default: its top probability); confidence-scheduled verification cuts the chain where their
+running product falls below a threshold. Draft ids map to target ids through a `d2t` buffer.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import torch
+import torch.nn.functional as F
 
 from drafters.base import Drafter, greedy_draw
 from drafters.layers import DraftCache
@@ -43,7 +55,8 @@ class StepDrafter(Drafter):
     def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
         """A chain of `steps` drafts (target ids) from the last context entry, feeding the drafter's
         own feature back (what TTT trained for). `draw(logits) -> (draft ids, distribution)` picks
-        each draft (default: greedy); also returns the distributions [B, steps, V_draft] they came from."""
+        each draft (default: greedy); also returns the distributions [B, steps, V_draft] they came
+        from and the confidences [B, steps] (each distribution's top probability)."""
         draw = draw or greedy_draw
         tokens, dists = [], []
         for i in range(steps):
@@ -53,7 +66,8 @@ class StepDrafter(Drafter):
             dists.append(dist)
             if i + 1 < steps:
                 feature, logits = self.step(cache, token[:, None], feature, self.positions(cache.length, token[:, None]))
-        return torch.stack(tokens, 1), torch.stack(dists, 1)
+        dists = torch.stack(dists, 1)
+        return torch.stack(tokens, 1), dists, dists.amax(-1)
 
     @torch.no_grad()
     def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int, draw=None):
@@ -131,3 +145,69 @@ class StepDrafter(Drafter):
                 if node == 0 or renumber[node] > 0:
                     out_dists[renumber[node]] = dist
         return drafts + self.d2t[drafts], parents, out_dists
+
+
+class ParallelDrafter(Drafter):
+    """A drafter whose `extend` gives logits [B, K, V_draft] for all K positions after the bonus
+    token at once (Medusa heads, a DFlash block): a chain takes each position's token, a tree is
+    the Cartesian tree of their top-k tokens."""
+
+    @torch.no_grad()
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
+        """Position k's token as draft k, for the first min(steps, K) positions (target ids [B, k]),
+        with the distributions they were drawn from [B, k, V_draft] and their top probabilities as
+        confidences. Every position draws on its own, which is what rejection sampling needs: each
+        draft comes from a distribution fixed before it."""
+        drafts, dists = (draw or greedy_draw)(logits[:, :steps])
+        return drafts + self.d2t[drafts], dists, dists.amax(-1)
+
+    @torch.no_grad()
+    def propose_tree(self, cache: DraftCache, feature, logits, depth: int, topk: int, total: int, draw=None):
+        """Medusa's tree over the first `depth` positions: level l holds guesses for position l+1,
+        below every node of level l-1; the `total` best nodes by the product of their path's
+        probabilities, each position offering its `topk` best tokens.
+
+        With `draw` (sampling) the tree has the same shape (decided by the probabilities, never by
+        the draws), but a node's children are i.i.d. draws from the next position's
+        distribution (rejection sampling over siblings is exact only for such draws), and dists
+        [1 + n, V_draft] holds that distribution for every node (zeros for the deepest level, which
+        has no children). Returns (tokens [n] target ids, parents [n] with 0 = the root, dists or None)."""
+        heads = logits[0, :depth].float()
+        log_probs, top = torch.log_softmax(heads, -1).topk(min(topk, heads.shape[-1]))
+        nodes = best_nodes(log_probs.tolist(), total)
+        parents, levels, ranks = (torch.tensor(column, device=logits.device) for column in zip(*nodes))
+        if draw is None:
+            drafts = top[levels, ranks]
+            return drafts + self.d2t[drafts], parents, None
+        drafts, level_dists = torch.empty_like(levels), []
+        for level in range(int(levels.max()) + 1):
+            here = levels == level
+            drafts[here], dist = draw(heads[level].expand(int(here.sum()), -1))
+            level_dists.append(dist[0])
+        # the root's children come from position 1, the children of a level-l node from position l+2
+        below = torch.stack([*level_dists, torch.zeros_like(level_dists[0])])
+        return drafts + self.d2t[drafts], parents, below[F.pad(levels + 1, (1, 0))]
+
+
+def best_nodes(log_probs: list[list[float]], total: int) -> list[tuple[int, int, int]]:
+    """The `total` most likely nodes of the Cartesian tree whose level-l nodes take head l's tokens
+    (`log_probs[l]`, best first), a node scoring the sum over its path. Best-first: a node's first
+    child and its next sibling join the queue when it leaves it, so nodes leave by descending score,
+    each after its parent. Returns (parent, level, rank) per node; nodes count from 1, 0 = the root."""
+
+    def score(path):
+        return sum(log_probs[level][rank] for level, rank in enumerate(path))
+
+    queue = [(-score((0,)), (0,), 0)]
+    nodes: list[tuple[int, int, int]] = []
+    while queue and len(nodes) < total:
+        _, path, parent = heapq.heappop(queue)
+        level, rank = len(path) - 1, path[-1]
+        nodes.append((parent, level, rank))
+        if rank + 1 < len(log_probs[level]):
+            sibling = path[:-1] + (rank + 1,)
+            heapq.heappush(queue, (-score(sibling), sibling, parent))
+        if level + 1 < len(log_probs):
+            child = path + (0,)
+            heapq.heappush(queue, (-score(child), child, len(nodes)))
+    return nodes

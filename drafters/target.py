@@ -81,6 +81,12 @@ class TargetClasses:
         return [layer for layer, kind in enumerate(kinds) if kind == "full_attention"]
 
 
+def full_attention_rope_parameters(rope_parameters: dict) -> dict:
+    """A target's RoPE settings as its full-attention layers use them: Gemma 3 keeps one set per
+    attention kind (`{"full_attention": {...}, "sliding_attention": {...}}`), others one set."""
+    return dict(rope_parameters.get("full_attention", rope_parameters))
+
+
 def full_attention_rope(rotary, x: torch.Tensor, positions: torch.Tensor):
     """(cos, sin) of a target's rotary embedding as its full-attention layers use it (Gemma 3 keeps
     one per attention kind and takes the kind as an argument)."""

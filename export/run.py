@@ -1,8 +1,9 @@
 """`python -m export.run checkpoint=<dir> format=native|speculators|sglang|vllm|... out=<dir>`: write an
 artifact (export/formats/ registers which format writes which drafter).
 
-`checkpoint=` is one of ours (a training checkpoint or a native artifact), or an EAGLE-3 head in
-another engine's layout (speculators; SGLang/SpecForge/EAGLE), imported for `target=`. The
+`checkpoint=` is one of ours (a training checkpoint or a native artifact), or a head in another
+engine's layout (EAGLE-3: speculators, SGLang/SpecForge/EAGLE; EAGLE-1: vLLM, SGLang, the EAGLE
+repo; Medusa: vLLM, the Medusa repo), imported for `target=` as the drafter its format reads. The
 artifact is written to a temp dir beside `out` and renamed into place when complete.
 """
 
@@ -20,6 +21,24 @@ from drafters.target import load_target
 from export import formats
 
 
+def drafter_yaml(name: str) -> DictConfig:
+    """conf/drafter/<name>.yaml with the drafter configs its `defaults` list builds on merged under it
+    (dspark.yaml extends dflash.yaml)."""
+    node = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "drafter", f"{name}.yaml"))
+    parents = [drafter_yaml(parent) for parent in node.pop("defaults", []) if parent != "_self_"]
+    return OmegaConf.merge(*parents, node)
+
+
+def drafter_config(cfg: DictConfig, name: str) -> dict:
+    """Our config of drafter `name`, which an imported head becomes: `drafter=` where it names that
+    drafter, else conf/drafter/<name>.yaml's defaults (so no `drafter=` needs to match the dir)."""
+    drafter = cfg.drafter
+    if drafter.name != name:
+        target = OmegaConf.to_container(cfg.target, resolve=True)  # what its ${target.*} fields read
+        drafter = OmegaConf.create({"target": target, "drafter": drafter_yaml(name)}).drafter
+    return OmegaConf.to_container(drafter, resolve=True)
+
+
 def read_source(cfg: DictConfig) -> SavedDrafter:
     path = str(cfg.checkpoint)
     config_file = os.path.join(path, CONFIG_FILE)
@@ -30,7 +49,7 @@ def read_source(cfg: DictConfig) -> SavedDrafter:
         return read(path)
     fmt = formats.reader(config, path)  # before the target loads: an unknown layout fails fast
     context = formats.ImportFor(load_target(cfg.target), OmegaConf.to_container(cfg.target, resolve=True),
-                                OmegaConf.to_container(cfg.drafter, resolve=True))
+                                drafter_config(cfg, fmt.drafter))
     return fmt.read(path, config, context)
 
 

@@ -26,7 +26,7 @@ def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool
         return "identical", None
     first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
     margin = margins[first] if first < len(margins) else None
-    if not exact and margin is not None and margin < tolerance:
+    if not exact and margin is not None and margin <= tolerance:
         return "near_tie", margin
     return "unexplained", margin
 
@@ -42,15 +42,15 @@ def prompt_lookup(target, ids, cfg) -> tuple[int, float]:
     return out.shape[1] - ids.shape[1], time.perf_counter() - began
 
 
-def run_set(target, drafter, prompts, cfg) -> dict:
+def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
     from serving.engine import generate_spec, generate_plain
-    from serving.run import chat_prompt, sampler, spec_options
+    from serving.run import chat_prompt, sampler
 
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
               "lookup_s": 0.0, "lookup_tokens": 0}
     proposed, accepted, outcomes, gaps = [], [], [], []
-    options, plain_sampler = spec_options(cfg), sampler(cfg)
+    plain_sampler = sampler(cfg)
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         ids = chat_prompt(target.tokenizer, text).to(target.device)
         runs = {}
@@ -131,6 +131,7 @@ def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_plain
     from serving.prompts import load_prompts
+    from serving.run import spec_options
 
     try:
         target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
@@ -140,9 +141,11 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
+    options = spec_options(cfg, target, drafter)
     results = {
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": cfg.dtype, "draft": cfg.draft,
-                   "steps": cfg.steps, "min_prob": cfg.min_prob,
+                   "steps": cfg.steps, "min_confidence": cfg.min_confidence,
+                   "verify_cost": options["verify_cost"],
                    "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
                    "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
                    "prompt_lookup_tokens": cfg.prompt_lookup_tokens},
@@ -150,7 +153,7 @@ def main(cfg: DictConfig) -> None:
     }
     for name, prompts in sets.items():
         try:
-            results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg)
+            results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg, options)
         except UserError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)

@@ -114,14 +114,53 @@ def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: s
     return tokens, stats
 
 
+def scheduled_length(confidence: torch.Tensor, min_confidence: float = 0.0, verify_cost: list[float] | None = None) -> int:
+    """How many of a chain's drafts to verify, from their confidences [K] (each the drafter's estimate
+    that the draft is accepted once the ones before it are): all of them; with `min_confidence`, the
+    prefix whose running product stays at or above it; with `verify_cost` (seconds of a target
+    forward over n tokens at index n), the prefix that maximizes expected tokens per second,
+    (1 + sum_i prod_{j<=i} confidence_j) / verify_cost[k + 1]. At least one."""
+    survive = confidence.float().cumprod(0)  # the estimated chance that drafts 1..i all survive
+    if verify_cost:
+        expected = 1 + survive.cumsum(0)  # committed tokens, bonus included, verifying drafts 1..k
+        seconds = torch.tensor(verify_cost[2 : len(survive) + 2], dtype=torch.float32)
+        return int((expected[: len(seconds)] / seconds).argmax()) + 1
+    if min_confidence > 0:
+        return max(int((survive >= min_confidence).sum()), 1)
+    return len(survive)
+
+
+@torch.no_grad()
+def measure_verify_cost(target, layers: list[int], most: int, context: int = 128, repeats: int = 5) -> list[float]:
+    """Seconds of one verification forward over n = 1..`most` tokens after `context` cached ones
+    (index n; index 0 is 0): the step-cost model of cost-scheduled verification, measured once at
+    start-up, interleaved across n, median of `repeats`."""
+    cache = DynamicCache()
+    target.capture(torch.ones(1, context, dtype=torch.long, device=target.device), None, layers, cache=cache)
+    times: list[list[float]] = [[] for _ in range(most + 1)]
+    for _ in range(repeats):
+        for n in range(1, most + 1):
+            began = time.perf_counter()
+            _, final = target.capture(torch.ones(1, n, dtype=torch.long, device=target.device), None, layers,
+                                      cache=cache, position_ids=torch.arange(context, context + n, device=target.device)[None])
+            target.logits(final)
+            times[n].append(time.perf_counter() - began)
+            cache.crop(-n)  # transformers 5: drop the last n tokens
+    return [0.0] + [sorted(t)[len(t) // 2] for t in times[1:]]
+
+
 @torch.no_grad()
 def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
-                  draft: str = "chain", steps: int = 7, min_prob: float = 0.0, depth: int = 6, topk: int = 8,
-                  total: int = 48, sampler: Sampler = GREEDY):
+                  draft: str = "chain", steps: int = 7, min_confidence: float = 0.0, depth: int = 6, topk: int = 8,
+                  total: int = 48, sampler: Sampler = GREEDY, verify_cost: list[float] | None = None):
     """Speculative decoding.
 
-    draft="chain": up to `steps` drafts per target forward; `min_prob` > 0 turns on dynamic draft
-    length (drafting stops where the drafter's confidence, its top probability, falls below it).
+    draft="chain" (or a block drafter's block): up to `steps` drafts per target forward;
+    `min_confidence` > 0 turns on confidence-scheduled verification: only the prefix whose running
+    product of confidences (DSpark: its confidence head; the others: their top draft probability)
+    stays at or above it is verified (at least one draft); with `verify_cost` (measure_verify_cost)
+    the prefix with the most expected tokens per second (`scheduled_length`). Confidences depend on
+    the drafts before a position, never on its own draft, so sampling stays exact.
     draft="tree": an EAGLE-2 dynamic tree (`depth` levels, `topk` expansions per level, the
     `total` best nodes verified at once under a tree attention mask); when sampling, each expanded
     node gets `topk` i.i.d. children (see Eagle3.propose_tree), so keep `topk` small (2-3)."""
@@ -144,9 +183,8 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
                                                                None if sampler.greedy else sampler.draw)
         else:
             # up to `steps` drafts: a drafter may offer fewer (Medusa: one per head)
-            drafts, dists = drafter.propose_chain(draft_cache, feature, logits, steps, sampler.draw)
-            # decided from the draft distributions, not from the drawn tokens, so sampling stays exact
-            keep = max(int((dists[0].amax(-1) >= min_prob).cumprod(0).sum()), 1) if min_prob > 0 else drafts.shape[1]
+            drafts, dists, confidence = drafter.propose_chain(draft_cache, feature, logits, steps, sampler.draw)
+            keep = scheduled_length(confidence[0], min_confidence, verify_cost)
             drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
             node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
         draft_cache.crop(length)  # drop the drafter's speculative entries

@@ -23,10 +23,14 @@ def sampler(cfg: DictConfig):
     return Sampler(cfg.temperature, cfg.top_p, torch.Generator().manual_seed(cfg.seed))
 
 
-def spec_options(cfg: DictConfig) -> dict:
-    """generate_spec's keyword arguments from a serve/bench config."""
-    return dict(draft=cfg.draft, steps=cfg.steps, min_prob=cfg.min_prob, depth=cfg.depth, topk=cfg.topk,
-                total=cfg.total_tokens, sampler=sampler(cfg))
+def spec_options(cfg: DictConfig, target, drafter) -> dict:
+    """generate_spec's keyword arguments from a serve/bench config (`cost_schedule` measures the
+    target's verification cost here, once)."""
+    from serving.engine import measure_verify_cost
+
+    verify_cost = measure_verify_cost(target, drafter.capture_layers(), cfg.steps + 1) if cfg.cost_schedule else None
+    return dict(draft=cfg.draft, steps=cfg.steps, min_confidence=cfg.min_confidence, depth=cfg.depth, topk=cfg.topk,
+                total=cfg.total_tokens, sampler=sampler(cfg), verify_cost=verify_cost)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")
@@ -42,7 +46,7 @@ def main(cfg: DictConfig) -> None:
     ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
     eos = {target.tokenizer.eos_token_id}
     try:
-        tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg))
+        tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg, target, drafter))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

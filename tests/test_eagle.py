@@ -3,13 +3,14 @@ the serving path, training on one answer until serving accepts it, lossless gree
 artifacts for native / vLLM / SGLang, and losslessness on the real SmolLM2. tests/test_medusa.py
 builds on the helpers here."""
 
+import json
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import VARIED_TARGET, compose_train, train_steps
 from drafters.artifact import SavedDrafter, default_proposal, read, verifier_of, write_native
@@ -19,8 +20,11 @@ from drafters.layers import DraftCache
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab
 from export import formats
+from export.formats.eagle3 import llama_fields
+from export.formats.speculators import renamed
 from serving.engine import generate_plain, generate_spec
 from test_engine import PROMPTS, chat_ids
+from test_export import run_export
 
 def train_cfg(*overrides):
     return compose_train([*VARIED_TARGET, "drafter=eagle", *overrides])
@@ -49,17 +53,52 @@ def saved(drafter, target_cfg) -> SavedDrafter:
                         default_proposal(hparams))
 
 
+def assert_drafts_alike(saved_drafter: SavedDrafter, drafter, target, ids):
+    """The saved drafter, rebuilt, drafts what `drafter` drafts (features and logits after `ids`)."""
+    rebuilt = saved_drafter.build("test").eval()
+    aux, _ = target.capture(ids, None, drafter.capture_layers())
+    tokens = ids.roll(-1, 1)
+    torch.testing.assert_close(rebuilt.extend(rebuilt.new_cache(), aux, tokens),
+                               drafter.extend(drafter.new_cache(), aux, tokens))
+
+
 def native_round_trip(drafter, target_cfg, target, ids, directory) -> SavedDrafter:
     """Write the drafter as a native artifact and check that what reads back drafts the same."""
     saved_drafter = saved(drafter, target_cfg)
     directory.mkdir()
     write_native(saved_drafter, str(directory))
-    rebuilt = read(str(directory)).build(str(directory)).eval()
-    aux, _ = target.capture(ids, None, drafter.capture_layers())
-    tokens = ids.roll(-1, 1)
-    torch.testing.assert_close(rebuilt.extend(rebuilt.new_cache(), aux, tokens),
-                               drafter.extend(drafter.new_cache(), aux, tokens))
+    assert_drafts_alike(read(str(directory)), drafter, target, ids)
     return saved_drafter
+
+
+def imported(directory, target, cfg) -> SavedDrafter:
+    """Another engine's head dir read as export.run reads it (the format found from its config.json)."""
+    config = json.loads((directory / "config.json").read_text())
+    context = formats.ImportFor(target, OmegaConf.to_container(cfg.target, resolve=True),
+                                OmegaConf.to_container(cfg.drafter, resolve=True))
+    return formats.reader(config, str(directory)).read(str(directory), config, context)
+
+
+def edited_head(tmp_path, config, weights, edit):
+    """A new head dir beside the others in `tmp_path`: `config` and `weights` as `edit(config, weights)` leaves them."""
+    head = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
+    config, weights = OmegaConf.to_container(OmegaConf.create(config)), dict(weights)
+    edit(config, weights)
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(config))
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, head / "model.safetensors")
+    return head
+
+
+def assert_read_back(directory, saved_drafter, drafter, target, ids, cfg):
+    """What the head dir reads back as is the saved drafter: the same hyper-parameters, weights (bit
+    for bit) and drafts."""
+    back = imported(directory, target, cfg)
+    assert (back.drafter, back.hparams, back.proposal) == (saved_drafter.drafter, saved_drafter.hparams,
+                                                          saved_drafter.proposal)
+    assert back.weights.keys() == saved_drafter.weights.keys()
+    assert [name for name, tensor in saved_drafter.weights.items() if not torch.equal(back.weights[name], tensor)] == []
+    assert_drafts_alike(back, drafter, target, ids)
 
 
 def write_format(saved_drafter, fmt, directory):
@@ -69,8 +108,9 @@ def write_format(saved_drafter, fmt, directory):
     return OmegaConf.load(directory / "config.json"), load_file(directory / "model.safetensors")
 
 
-def assert_lossless_on_smollm2(drafter_name, **tree):
-    """An untrained head on the real SmolLM2-135M (float32: no bf16 near-ties), greedy chain and tree."""
+def assert_lossless_on_smollm2(drafter_name, *options, **tree):
+    """An untrained head on the real SmolLM2-135M (float32: no bf16 near-ties), greedy: a 5-draft chain
+    and a tree of shape `tree`, or each generate_spec option set in `options`."""
     cfg = compose_train(["target=llama", "target.dtype=float32", f"drafter={drafter_name}"])
     smollm2 = load_target(cfg.target)
     stream = torch.randint(0, smollm2.spec.vocab_size, (20000,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -79,8 +119,8 @@ def assert_lossless_on_smollm2(drafter_name, **tree):
     eos = {smollm2.tokenizer.eos_token_id}
     ids = chat_ids(smollm2, PROMPTS[0])
     plain, _ = generate_plain(smollm2, ids, 16, eos)
-    assert generate_spec(smollm2, drafter, ids, 16, eos, steps=5)[0] == plain
-    assert generate_spec(smollm2, drafter, ids, 16, eos, draft="tree", **tree)[0] == plain
+    for option in options or (dict(steps=5), dict(draft="tree", **tree)):
+        assert generate_spec(smollm2, drafter, ids, 16, eos, **option)[0] == plain, option
 
 
 def plain_replies(target):
@@ -98,9 +138,9 @@ def answer(varied_target):
     return conversation(varied_target)
 
 
-def make_drafter(target, vocab, seed=0):
+def make_drafter(target, vocab, *overrides, seed=0):
     torch.manual_seed(seed)
-    return build_drafter(train_cfg().drafter, target, vocab)
+    return build_drafter(train_cfg(*overrides).drafter, target, vocab)
 
 
 def test_layout_frozen_target_parts_and_feature(target, answer):
@@ -168,7 +208,7 @@ def test_trained_on_an_answer_it_drafts_that_answer(target, answer):
     assert chain_stats.accept_len >= 4.0 and tree_stats.accept_len >= 4.0  # 5.0 is the most possible
 
 
-@pytest.mark.parametrize("options", [dict(steps=6), dict(steps=6, min_prob=0.05),
+@pytest.mark.parametrize("options", [dict(steps=6), dict(steps=6, min_confidence=0.05),
                                      dict(draft="tree", depth=4, topk=3, total=10)])
 def test_untrained_head_serves_losslessly(target, options):
     drafter = make_drafter(target, vocab_over(target, list(range(0, 40000, 7)), 2048)).eval()
@@ -198,6 +238,75 @@ def test_artifacts_native_vllm_sglang(target, answer, tmp_path):
     assert config.architectures == ["LlamaForCausalLM"] and config.vocab_size == target.spec.vocab_size
     assert sorted(vllm_weights) == sorted(name for name in weights if name != "fc.bias")
     assert not os.path.exists(tmp_path / "vllm" / "token_map.pt")
+
+
+def test_sglang_and_vllm_heads_read_back(target, answer, tmp_path):
+    """What format=sglang (a draft vocabulary: token_map.pt) and format=vllm (the whole vocabulary)
+    write reads back as the same drafter, drafting chains of EAGLE's depth by default."""
+    ids, reply, _ = answer
+    for fmt, size in [("sglang", 512), ("vllm", target.spec.vocab_size)]:
+        drafter = make_drafter(target, vocab_over(target, reply, size)).eval()
+        saved_drafter = saved(drafter, train_cfg().target)
+        assert saved_drafter.proposal == {"draft": "chain", "steps": 5}
+        write_format(saved_drafter, fmt, tmp_path / fmt)
+        assert_read_back(tmp_path / fmt, saved_drafter, drafter, target, ids, train_cfg())
+
+
+def test_eagle_repo_head_imports_with_its_fc_bias(target, answer, tmp_path):
+    """A head as the EAGLE repo ships it (cnets1.py's names, a trained fc bias, the embedding,
+    pytorch_model.bin) imports through export.run (default drafter=eagle3: the format decides) as an
+    EAGLE-1 drafter with fc_bias, drafting what it drafts. vLLM's fc has no bias: format=vllm refuses it."""
+    ids, reply, _ = answer
+    drafter = make_drafter(target, vocab_over(target, reply, target.spec.vocab_size), "drafter.fc_bias=true").eval()
+    with torch.no_grad():
+        drafter.fc.bias.normal_(0, 0.1)
+    original = saved(drafter, train_cfg().target)
+    repo = tmp_path / "eagle"
+    repo.mkdir()
+    (repo / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **llama_fields(original),
+                                                  "bias": True}))
+    ours = {name: tensor for name, tensor in original.weights.items() if name.startswith(("fc.", "midlayer.", "embed"))}
+    torch.save(renamed(ours, "midlayer.", "layers.0."), repo / "pytorch_model.bin")
+    run_export(checkpoint=repo, format="native", target="tiny_llama", out=tmp_path / "native",
+               **{"+target.random_init.initializer_range": 0.3})
+    back = read(str(tmp_path / "native"))
+    assert back.drafter == "eagle" and back.hparams["fc_bias"]
+    assert back.hparams == json.loads(json.dumps(original.hparams))  # as JSON keeps them
+    assert all(torch.equal(back.weights[name], tensor) for name, tensor in original.weights.items())
+    assert_drafts_alike(back, drafter, target, ids)
+    with pytest.raises(UserError, match="vLLM's EAGLE-1 fc has no bias and this head's has one"):
+        formats.writer("vllm", "eagle").write_checked(back, str(tmp_path / "refused"), "test")
+
+
+def test_bad_eagle1_heads_are_one_line_and_eagle3_heads_are_not_taken(target, answer, tmp_path):
+    """Another target's head, two layers, unknown, missing or wrongly shaped tensors, a bad token map:
+    one UserError line each."""
+    _, reply, _ = answer
+    saved_drafter = saved(make_drafter(target, vocab_over(target, reply)), train_cfg().target)
+    config, weights = write_format(saved_drafter, "sglang", tmp_path / "sglang")
+    width = target.spec.hidden_size
+    for edit, message in [
+        (lambda c, w: c.update(hidden_size=32), f"a head for hidden_size=32, the target {target.spec.name} has "),
+        (lambda c, w: c.update(num_hidden_layers=2), "2 draft layers; our EAGLE-1 has one"),
+        (lambda c, w: w.update({"layers.0.input_layernorm.weight": torch.ones(width)}),
+         "unexpected weights \\['midlayer.input_layernorm.weight'\\]"),
+        (lambda c, w: w.pop("layers.0.mlp.up_proj.weight"), "missing weights \\['midlayer.mlp.up_proj.weight'\\]"),
+        (lambda c, w: w.update({"fc.weight": torch.zeros(width, width)}), "wrong shapes \\['fc.weight"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            imported(edited_head(tmp_path, config, weights, edit), target, train_cfg())
+    torch.save(torch.tensor([3, 3]), tmp_path / "sglang" / "token_map.pt")
+    with pytest.raises(UserError, match="the token map \\(2 ids\\) is no draft vocabulary"):
+        imported(tmp_path / "sglang", target, train_cfg())
+    # EAGLE-3 heads stay with EAGLE-3's readers; a one-layer Llama naming a draft vocabulary, or a whole
+    # Llama, is no EAGLE-1 head
+    for eagle3 in ({"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1},
+                   {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3"}):
+        assert formats.reader(eagle3, "eagle3").drafter == "eagle3"
+    for other in ({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "draft_vocab_size": 32000},
+                  {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30}):
+        with pytest.raises(UserError, match="no layout this version reads"):
+            formats.reader(other, "other")
 
 
 @pytest.mark.slow

@@ -1,12 +1,14 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from conftest import compose_train
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.eagle3 import default_aux_layers
 from drafters.errors import UserError
-from drafters.layers import ttt_attention, ttt_attention_reference
+from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_reference
+from drafters.target import full_attention_rope
 from drafters.vocab import build_draft_vocab
 
 
@@ -30,6 +32,19 @@ def setup(tiny_target):
         "loss_mask": torch.ones_like(input_ids),
     }
     return drafter, vocab, batch
+
+
+def test_draft_layers_on_gemma3_rotate_like_its_full_attention_layers(tiny_gemma3_target):
+    """Gemma 3 keeps a RoPE per attention kind (full: theta 1e6, sliding-window: 1e4). A draft layer
+    attends over its whole context, so draft_layer_config (what every drafter's layer and rotary
+    embedding, and the exported layer configs, are built from) takes the full-attention one."""
+    spec, rotary = tiny_gemma3_target.spec, tiny_gemma3_target.model.model.rotary_emb
+    assert spec.rope_parameters["full_attention"] != spec.rope_parameters["sliding_attention"]
+    layer = draft_layer_config(spec)
+    assert layer.rope_parameters == spec.rope_parameters["full_attention"]
+    x, positions = torch.zeros(1, 6, spec.hidden_size), torch.arange(3, 9).unsqueeze(0)
+    for ours, targets in zip(LlamaRotaryEmbedding(layer)(x, positions), full_attention_rope(rotary, x, positions)):
+        torch.testing.assert_close(ours, targets)
 
 
 def test_default_aux_layers_follow_eagle3():

@@ -31,14 +31,14 @@ def plain_outputs(tiny_target):
     return {text: generate_plain(tiny_target, chat_ids(tiny_target, text), 32, eos) for text in PROMPTS}
 
 
-@pytest.mark.parametrize("steps,min_prob", [(1, 0.0), (7, 0.0), (7, 0.2)])
-def test_chain_equals_plain_greedy_on_tiny_target(tiny_target, plain_outputs, steps, min_prob):
+@pytest.mark.parametrize("steps,min_confidence", [(1, 0.0), (7, 0.0), (7, 0.2)])
+def test_chain_equals_plain_greedy_on_tiny_target(tiny_target, plain_outputs, steps, min_confidence):
     drafter = head_for(tiny_target, 2048)
     eos = {tiny_target.tokenizer.eos_token_id}
     for text in PROMPTS:
         ids = chat_ids(tiny_target, text)
         plain, plain_stats = plain_outputs[text]
-        spec, stats = generate_spec(tiny_target, drafter, ids, 32, eos, steps=steps, min_prob=min_prob)
+        spec, stats = generate_spec(tiny_target, drafter, ids, 32, eos, steps=steps, min_confidence=min_confidence)
         assert spec == plain
         assert stats.new_tokens == len(plain) and plain_stats.accept_len == 1.0
         assert 1.0 <= stats.accept_len <= steps + 1
@@ -123,3 +123,32 @@ def test_tree_accepting_a_later_branch_compacts_the_cache(tiny_target, plain_out
     spec, stats = generate_spec(tiny_target, oracle, ids, 32, eos, draft="tree")
     assert spec == plain
     assert stats.accept_len >= 4.0  # 4 drafts + the bonus per forward (1 + 7 x 5 tokens, cut at 32)
+
+
+def test_scheduled_length_threshold_and_cost_model():
+    from serving.engine import scheduled_length
+
+    confidence = torch.tensor([0.9, 0.8, 0.5, 0.9])  # running product .9 .72 .36 .324
+    assert scheduled_length(confidence) == 4
+    assert scheduled_length(confidence, min_confidence=0.7) == 2
+    assert scheduled_length(confidence, min_confidence=0.99) == 1  # never fewer than one draft
+    # expected tokens 1.9, 2.62, 2.98, 3.304 for k = 1..4 drafts, verified over k + 1 tokens
+    flat = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert scheduled_length(confidence, verify_cost=flat) == 4  # extra tokens are free: verify all
+    steep = [0.0, 1.0, 1.0, 1.5, 2.0, 2.5]  # 1.9/1.0, 2.62/1.5, 2.98/2.0, 3.304/2.5
+    assert scheduled_length(confidence, verify_cost=steep) == 1
+    mild = [0.0, 1.0, 1.0, 1.1, 1.3, 1.6]  # 1.9, 2.38, 2.29, 2.07
+    assert scheduled_length(confidence, verify_cost=mild) == 2
+
+
+def test_cost_scheduled_chain_is_lossless_and_cost_is_measured(tiny_target, plain_outputs):
+    from serving.engine import measure_verify_cost
+
+    drafter = head_for(tiny_target, 2048)
+    cost = measure_verify_cost(tiny_target, drafter.capture_layers(), 8, context=16, repeats=2)
+    assert len(cost) == 9 and cost[0] == 0.0 and all(seconds > 0 for seconds in cost[1:])
+    eos = {tiny_target.tokenizer.eos_token_id}
+    for text, (plain, _) in plain_outputs.items():
+        ids = chat_ids(tiny_target, text)
+        spec, _ = generate_spec(tiny_target, drafter, ids, 32, eos, steps=7, verify_cost=cost)
+        assert spec == plain

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
 from conftest import CONF_DIR, compose_train
+from drafters.artifact import default_steps
 from drafters.errors import UserError
 from drafters.target import load_target
 from export.layer_ids import translate_layer_ids
@@ -281,3 +282,14 @@ def test_training_init_from_an_artifact(checkpoint, tmp_path):
     start = load_file(os.path.join(tmp_path, "native", "model.safetensors"))
     trained = load_file(os.path.join(tmp_path, "run", "checkpoints", "latest", "model.safetensors"))
     assert start.keys() == trained.keys() and all(torch.equal(start[k], trained[k]) for k in start)
+
+
+@pytest.mark.parametrize("drafter,hparams,steps", [
+    ("eagle3, mtp", {"ttt_steps": 7, "aux_layers": [2, 4, 5]}, 7),  # the unroll it was trained for
+    ("gemma_mtp", {"ttt_steps": 3, "num_heads": 8}, 3),  # num_heads: attention heads, not drafts
+    ("dflash, dspark", {"block_size": 16, "num_layers": 5}, 15),  # a block's slots after the bonus token's
+    ("medusa", {"num_heads": 4, "num_layers": 1}, 4),  # one draft per head
+    ("eagle", {"fc_bias": False, "feature_noise": 0.2}, 5),  # no trained length: EAGLE's draft depth
+])
+def test_default_steps_per_drafter(drafter, hparams, steps):
+    assert default_steps(hparams) == steps, drafter

@@ -4,20 +4,23 @@ on one answer until serving accepts it (so serving reads the hidden state the he
 on), lossless greedy serving, sampling that keeps the target's distribution, artifacts."""
 
 import itertools
+import json
 
 import pytest
 import torch
 
 from conftest import VARIED_TARGET, chi2_pvalue, compose_train, train_steps
+from drafters.artifact import read
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
-from drafters.medusa import best_nodes
+from drafters.proposal import best_nodes
 from drafters.target import load_target
 from export import formats
 from serving.engine import Sampler, generate_spec
-from test_eagle import (assert_lossless_on_smollm2, conversation, native_round_trip, plain_replies, vocab_over,
-                        write_format)
+from test_eagle import (assert_drafts_alike, assert_lossless_on_smollm2, assert_read_back, conversation, edited_head,
+                        imported, native_round_trip, plain_replies, saved, vocab_over, write_format)
 from test_engine import chat_ids
+from test_export import run_export
 
 HEADS = 4
 
@@ -115,7 +118,7 @@ def test_tree_and_chain_proposals(target, answer):
     feature, logits = drafter.extend(cache, aux, torch.cat([ids[:, 1:], ids[:, :1]], 1))
     assert logits.shape == (1, HEADS, drafter.vocab.draft_size)
     # the chain: each head's top token, no more drafts than heads however many are asked for
-    chain, dists = drafter.propose_chain(cache, feature, logits, 7)
+    chain, dists, _ = drafter.propose_chain(cache, feature, logits, 7)
     assert chain.shape == (1, HEADS) and dists.shape == (1, HEADS, drafter.vocab.draft_size)
     top = logits[0].topk(3).indices  # [heads, 3] draft ids
     assert torch.equal(chain[0], top[:, 0] + drafter.d2t[top[:, 0]])
@@ -130,7 +133,7 @@ def test_tree_and_chain_proposals(target, answer):
     assert max(levels) < HEADS and tokens[0] == chain[0, 0]
     # sampling: a chain draws from each head's distribution, and reports it
     sampler = Sampler(0.7, 0.9, torch.Generator().manual_seed(0))
-    sampled, dists = drafter.propose_chain(cache, feature, logits, 7, sampler.draw)
+    sampled, dists, _ = drafter.propose_chain(cache, feature, logits, 7, sampler.draw)
     torch.testing.assert_close(dists[0], sampler.probs(logits[0]))
     draft_index = drafter.vocab.draft_ids.tolist().index
     assert all(dists[0, k, draft_index(int(sampled[0, k]))] > 0 for k in range(HEADS))  # inside the top-p cut
@@ -163,7 +166,7 @@ def test_trained_on_an_answer_it_drafts_that_answer(target, answer):
 
 
 # steps=7 asks for more drafts than there are heads, depth=6 for more levels
-@pytest.mark.parametrize("options", [dict(steps=7), dict(steps=3, min_prob=0.05),
+@pytest.mark.parametrize("options", [dict(steps=7), dict(steps=3, min_confidence=0.05),
                                      dict(draft="tree", depth=6, topk=3, total=10)])
 def test_untrained_heads_serve_losslessly(target, options):
     drafter = make_drafter(target, vocab_over(target, list(range(0, 40000, 7)), 2048)).eval()
@@ -222,6 +225,89 @@ def test_artifacts_native_and_vllm(target, answer, tmp_path):
     assert torch.equal(weights["token_map"], saved_drafter.vocab().draft_ids)  # draft id -> target id
     with pytest.raises(UserError, match="has no writer for drafter 'medusa'"):
         formats.writer("sglang", "medusa")
+
+
+def trained_looking(drafter):
+    """Blocks with weights (zero-initialized ones would hide a misplaced block); biases stay zero."""
+    with torch.no_grad():
+        for block in drafter.blocks:
+            for layer in block.layers:
+                layer.weight.normal_(0, 0.05)
+    return drafter.eval()
+
+
+def test_vllm_heads_read_back(target, answer, tmp_path):
+    """What format=vllm writes (a draft vocabulary: token_map) reads back as the same drafter, drafting
+    one token per head by default; so do vLLM's variants of it: a token map in another order, an
+    lm_head over the whole vocabulary (vLLM takes the token map's rows), blocks without biases
+    (medusa_fc_bias=false)."""
+    ids, reply, _ = answer
+    drafter = trained_looking(make_drafter(target, vocab_over(target, reply)))
+    saved_drafter = saved(drafter, train_cfg().target)
+    assert saved_drafter.proposal == {"draft": "chain", "steps": HEADS}
+    config, weights = write_format(saved_drafter, "vllm", tmp_path / "vllm")
+    assert_read_back(tmp_path / "vllm", saved_drafter, drafter, target, ids, train_cfg())
+
+    def variants(config, weights):
+        order = torch.randperm(len(weights["token_map"]), generator=torch.Generator().manual_seed(0))
+        for name in [name for name in weights if name.endswith(".bias")]:
+            del weights[name]
+        for name in ["token_map", *(f"lm_heads.{k}.weight" for k in range(HEADS))]:
+            weights[name] = weights[name][order]  # the draft tokens in another order
+        whole = torch.zeros(target.spec.vocab_size, target.spec.hidden_size)
+        weights["lm_heads.1.weight"] = whole.index_copy(0, weights["token_map"], weights["lm_heads.1.weight"])
+        config["medusa_fc_bias"] = False
+
+    assert_read_back(edited_head(tmp_path, config, weights, variants), saved_drafter, drafter, target, ids, train_cfg())
+
+
+def test_medusa_repo_head_imports(target, answer, tmp_path):
+    """A head as the Medusa repo ships it (config medusa_num_heads / medusa_num_layers;
+    medusa_lm_head.pt: per head the ResBlocks `{k}.{j}.linear.*`, then the lm_head `{k}.{layers}.weight`
+    over the whole vocabulary) imports through export.run (default drafter=eagle3: the format decides)."""
+    ids, reply, _ = answer
+    drafter = trained_looking(make_drafter(target, vocab_over(target, reply, target.spec.vocab_size),
+                                           "drafter.num_layers=2"))
+    original = saved(drafter, train_cfg().target)
+    repo = tmp_path / "medusa"
+    repo.mkdir()
+    (repo / "config.json").write_text(json.dumps({"medusa_num_heads": HEADS, "medusa_num_layers": 2,
+                                                  "base_model_name_or_path": "org/tiny-llama"}))
+    heads = {f"{k}.2.weight": original.weights[f"lm_heads.{k}.weight"] for k in range(HEADS)}
+    blocks = {f"{k}.{j}.linear.{kind}": original.weights[f"blocks.{k}.layers.{j}.{kind}"]
+              for k in range(HEADS) for j in range(2) for kind in ("weight", "bias")}
+    torch.save({**blocks, **heads}, repo / "medusa_lm_head.pt")
+    run_export(checkpoint=repo, format="native", target="tiny_llama", out=tmp_path / "native",
+               **{"+target.random_init.initializer_range": 0.3})
+    back = read(str(tmp_path / "native"))
+    assert (back.drafter, back.hparams, back.proposal) == ("medusa", original.hparams, original.proposal)
+    assert all(torch.equal(back.weights[name], tensor) for name, tensor in original.weights.items())
+    assert_drafts_alike(back, drafter, target, ids)
+
+
+def test_bad_medusa_heads_are_one_line(target, answer, tmp_path):
+    """Another target's head, a config naming more heads than the files hold, unknown tensors, wrong
+    shapes, a bad token map, no weights: one UserError line each."""
+    _, reply, _ = answer
+    config, weights = write_format(saved(make_drafter(target, vocab_over(target, reply)), train_cfg().target),
+                                   "vllm", tmp_path / "vllm")
+    width = target.spec.hidden_size
+    for edit, message in [
+        (lambda c, w: c.update(hidden_size=32), f"a head for hidden_size=32, the target {target.spec.name} has"),
+        (lambda c, w: c.update(num_heads=HEADS + 1),  # a head more than the files hold
+         f"missing weights \\['blocks.{HEADS}.layers.0.bias', 'blocks.{HEADS}.layers.0.weight', 'lm_heads.{HEADS}"),
+        (lambda c, w: w.update({"blocks.0.norm.weight": torch.ones(width)}),
+         "unexpected weights \\['blocks.0.norm.weight'\\]"),
+        (lambda c, w: w.update({"lm_heads.0.weight": torch.zeros(7, width)}),
+         "wrong shapes \\['lm_heads.0.weight \\[7, "),
+        (lambda c, w: w.update(token_map=torch.tensor([-1, 2])), "the token map \\(2 ids\\) is no draft vocabulary"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            imported(edited_head(tmp_path, config, weights, edit), target, train_cfg())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
+    with pytest.raises(UserError, match="no weights \\(\\*.safetensors or \\*.pt\\)"):
+        imported(tmp_path / "empty", target, train_cfg())
 
 
 @pytest.mark.slow

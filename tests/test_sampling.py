@@ -68,7 +68,7 @@ def encode(tokens: list[int]) -> int:
 # duplicates included) over fewer runs to keep CI short
 @pytest.mark.parametrize("temperature,top_p,options,draws", [
     (1.0, 1.0, dict(steps=2), 100_000),
-    (0.7, 0.8, dict(steps=2, min_prob=0.3), 10_000),
+    (0.7, 0.8, dict(steps=2, min_confidence=0.3), 10_000),
     (1.0, 1.0, dict(draft="tree", depth=2, topk=2, total=5), 10_000),
 ])
 def test_spec_sampling_matches_target_distribution(small_vocab, one_thread, temperature, top_p, options, draws):

@@ -13,9 +13,14 @@ import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from drafters.artifact import SavedDrafter
+import torch
+from omegaconf import OmegaConf
+
+from drafters.artifact import SavedDrafter, default_proposal, verifier_of
+from drafters.base import build_drafter
 from drafters.errors import UserError
-from drafters.target import Target
+from drafters.target import Target, TargetSpec
+from drafters.vocab import DraftVocab
 
 ANY_DRAFTER = "*"
 
@@ -27,6 +32,49 @@ class ImportFor:
     target: Target  # the target it will run on (its spec; its embedding where the head ships none)
     target_cfg: dict  # the conf/target node that loads it, recorded in the artifact
     drafter_cfg: dict  # our config of the drafter it becomes (defaults for what their files lack)
+
+
+def check_sizes(config: dict, spec: TargetSpec, where: str) -> None:
+    """The hidden and vocabulary sizes a head's config.json names, where it names them, are the target's."""
+    for field in ("hidden_size", "vocab_size"):
+        if field in config and config[field] != getattr(spec, field):
+            raise UserError(f"{where}: a head for {field}={config[field]}, the target {spec.name} "
+                            f"has {field}={getattr(spec, field)}")
+
+
+def draft_vocabulary(token_map: torch.Tensor | None, vocab_size: int, where: str) -> tuple[DraftVocab, torch.Tensor]:
+    """Our draft vocabulary from another engine's token map (the target id of each of its draft
+    tokens, in its order; None: the whole vocabulary), and the order that sorts its draft tokens
+    into ours (ascending target ids)."""
+    if token_map is None:
+        token_map = torch.arange(vocab_size)
+    ids, order = token_map.long().flatten().sort()
+    if not len(ids) or ids[0] < 0 or ids[-1] >= vocab_size or bool((ids[1:] == ids[:-1]).any()):
+        raise UserError(f"{where}: the token map ({len(ids)} ids) is no draft vocabulary of the target's "
+                        f"{vocab_size} tokens (ids outside it, or repeated)")
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return DraftVocab(ids - torch.arange(len(ids)), t2d, key={"imported": where}), order
+
+
+def built_on_target(where: str, drafter: str, settings: dict, vocab: DraftVocab, theirs: dict[str, torch.Tensor],
+                    context: ImportFor) -> SavedDrafter:
+    """Another engine's head (`theirs`: its tensors under our names) as our `drafter`, `settings`
+    over our config of it. Built on the target, the drafter gives what it takes from the target
+    (its frozen parts: embedding, lm_head rows, final norm; the vocabulary maps) where their files
+    have none. Strict: any other missing tensor, an unknown one or a wrong shape is one UserError line."""
+    cfg = {**context.drafter_cfg, **settings, "name": drafter, "draft_vocab_size": vocab.draft_size}
+    built = build_drafter(OmegaConf.create(cfg), context.target, vocab)
+    trained = {name for name, parameter in built.named_parameters() if parameter.requires_grad}
+    dtype = next((tensor.dtype for tensor in theirs.values() if tensor.is_floating_point()), torch.float32)
+    weights = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+               for name, tensor in built.state_dict().items() if name not in trained}
+    weights.update({name: tensor.clone() for name, tensor in theirs.items()})  # their files may share a tensor
+    hparams = built.hparams()
+    saved = SavedDrafter(drafter, hparams, verifier_of(context.target.spec.to_dict(), context.target_cfg),
+                         context.target_cfg, weights, default_proposal(hparams))
+    saved.check_weights(where)
+    return saved
 
 
 @dataclass(frozen=True)

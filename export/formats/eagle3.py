@@ -9,7 +9,7 @@ import os
 import pickle
 
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig
 
 from drafters.artifact import SavedDrafter, default_proposal, read_weights, verifier_of
 from drafters.errors import UserError
@@ -49,51 +49,59 @@ def llama_fields(saved: SavedDrafter) -> dict:
     }
 
 
-def check_layer_config(theirs: dict, spec: TargetSpec, where: str) -> None:
-    """Refuse a head whose draft layer computes differently from ours on this target in ways the
-    weight shapes don't show (layer count, RoPE, activation, norm epsilon)."""
+def check_layer_config(theirs: dict, spec: TargetSpec, where: str, drafter: str = "EAGLE-3") -> None:
+    """Refuse a head (EAGLE-3, or EAGLE-1: `drafter`) whose one-layer draft model computes differently
+    from ours on this target in ways the weight shapes don't show (layer count, layer type, and
+    check_layer_math's)."""
     if theirs.get("num_hidden_layers", 1) != 1:
-        raise UserError(f"{where}: {theirs['num_hidden_layers']} draft layers; our EAGLE-3 has one")
+        raise UserError(f"{where}: {theirs['num_hidden_layers']} draft layers; our {drafter} has one")
     if theirs.get("model_type", "llama") != "llama":
-        raise UserError(f"{where}: a '{theirs['model_type']}' draft layer; our EAGLE-3 layer is Llama's")
-    if theirs.get("tie_word_embeddings"):
+        raise UserError(f"{where}: a '{theirs['model_type']}' draft layer; our {drafter} layer is Llama's")
+    check_layer_math(LlamaConfig(**theirs), spec, where, drafter)
+
+
+def check_layer_math(their_layer: PretrainedConfig, spec: TargetSpec, where: str, drafter: str) -> None:
+    """Refuse draft layers (their config, RoPE normalized from either rope_parameters or
+    rope_theta/rope_scaling) with a tied lm_head, or a RoPE, activation or norm epsilon other than the
+    target's, which our `drafter`'s layers use."""
+    if their_layer.tie_word_embeddings:
         raise UserError(f"{where}: tie_word_embeddings=true (lm_head is the embedding); ours has its own lm_head")
-    their_layer = LlamaConfig(**theirs)  # normalizes RoPE from either rope_parameters or rope_theta/rope_scaling
     ours = draft_layer_config(spec)
     for field in ("rope_parameters", "hidden_act"):
         if getattr(their_layer, field) != getattr(ours, field):
             raise UserError(f"{where}: draft layer {field}={getattr(their_layer, field)}, the target "
-                            f"{spec.name} (whose settings our EAGLE-3 uses) has {getattr(ours, field)}")
+                            f"{spec.name} (whose settings our {drafter} uses) has {getattr(ours, field)}")
     if not math.isclose(their_layer.rms_norm_eps, ours.rms_norm_eps, rel_tol=1e-3):
         raise UserError(f"{where}: draft layer rms_norm_eps={their_layer.rms_norm_eps}, the target {spec.name} "
                         f"has {ours.rms_norm_eps}")
 
 
-def read_weight_files(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a head dir: *.safetensors (single or sharded), else the EAGLE repo's pytorch_model.bin."""
+def read_weight_files(path: str, torch_files: str = "*.bin") -> dict[str, torch.Tensor]:
+    """Every tensor of a head dir: *.safetensors (single or sharded), else its `torch_files` (by
+    default the EAGLE repo's pytorch_model.bin)."""
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         weights.update(read_weights(file, path))
     if weights:
         return weights
-    for file in sorted(glob.glob(os.path.join(path, "*.bin"))):
+    for file in sorted(glob.glob(os.path.join(path, torch_files))):
         try:
             weights.update(torch.load(file, map_location="cpu", weights_only=True))
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:  # corrupt or unsafe
             reason = str(error).splitlines()[0]
             raise UserError(f"{path}: unreadable weights {os.path.basename(file)} ({reason})") from None
     if not weights:
-        raise UserError(f"{path}: no weights (*.safetensors or pytorch_model.bin)")
+        raise UserError(f"{path}: no weights (*.safetensors or {torch_files})")
     return weights
 
 
 def imported(where: str, weights: dict, aux_layers: list[int], draft_vocab_size: int, context: ImportFor,
-             name_or_path: str | None = None, steps: int | None = None) -> SavedDrafter:
-    """Another engine's EAGLE-3 head as ours: their weights under our names, the target's embedding
-    where they ship none (engines share the target's), hyper-parameters as our drafter config gives
-    them for these aux layers (our convention)."""
+             name_or_path: str | None = None, steps: int | None = None, hparams: dict | None = None) -> SavedDrafter:
+    """Another engine's head (EAGLE-3, DFlash) as ours: their weights under our names, the target's
+    embedding where they ship none (engines share the target's), hyper-parameters as our drafter config
+    gives them for these aux layers (our convention), overridden by `hparams` read from their config."""
     context.target.check_layers(aux_layers)
-    cfg = {**context.drafter_cfg, "aux_layers": aux_layers, "draft_vocab_size": draft_vocab_size}
+    cfg = {**context.drafter_cfg, **(hparams or {}), "aux_layers": aux_layers, "draft_vocab_size": draft_vocab_size}
     spec = context.target.spec.to_dict()
     saved = SavedDrafter(cfg["name"], cfg, verifier_of(spec, context.target_cfg, name_or_path), context.target_cfg,
                          dict(weights), proposal={})

@@ -25,28 +25,41 @@ def renamed(weights: dict, old: str, new: str) -> dict:
     return {(new + name[len(old):] if name.startswith(old) else name): tensor for name, tensor in weights.items()}
 
 
-def write(saved: SavedDrafter, directory: str) -> None:
+def speculators_config(saved: SavedDrafter, algorithm: str, steps: int) -> dict:
+    """The `speculators_config` block: a greedy proposal of `steps` tokens and the verifier vLLM loads."""
     verifier = saved.verifier
     if not verifier.get("name_or_path"):
         raise UserError(f"format=speculators: vLLM loads the target from verifier.name_or_path, and target "
                         f"{verifier['name']} has no HF dir or hub id recorded (a GGUF file or a random init): "
                         "pass verifier=<hub id or HF dir>, or verifier_out=<dir> to write the target there "
                         "as HF safetensors")
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "verifier": {"name_or_path": verifier["name_or_path"], "architectures": [verifier["architecture"]]},
+    }
+
+
+def proposal_of(config: dict) -> dict:
+    """What a speculators config says about serving: imported()'s name_or_path and steps."""
+    speculators = config.get("speculators_config") or {}
+    proposals = speculators.get("proposal_methods") or [{}]
+    return {"name_or_path": (speculators.get("verifier") or {}).get("name_or_path"),
+            "steps": proposals[0].get("speculative_tokens")}
+
+
+def write(saved: SavedDrafter, directory: str) -> None:
     config = {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
         "draft_vocab_size": saved.hparams["draft_vocab_size"],
         "eagle_aux_hidden_state_layer_ids": saved.hparams["aux_layers"],  # same convention as ours
         **NORM_FLAGS,
-        "target_hidden_size": verifier["hidden_size"],
+        "target_hidden_size": saved.verifier["hidden_size"],
         "transformer_layer_config": llama_fields(saved),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": saved.proposal["steps"],
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier["name_or_path"], "architectures": [verifier["architecture"]]},
-        },
+        "speculators_config": speculators_config(saved, "eagle3", saved.proposal["steps"]),
     }
     write_files(directory, config, renamed(saved.weights, OURS, THEIRS))
 
@@ -63,12 +76,9 @@ def read(path: str, config: dict, context: ImportFor) -> SavedDrafter:
                         "norm, so this head cannot be imported faithfully")
     check_layer_config(config.get("transformer_layer_config") or {}, context.target.spec, path)
     aux_layers = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(context.target.spec.num_layers)
-    speculators = config.get("speculators_config") or {}
-    proposals = speculators.get("proposal_methods") or [{}]
     return imported(path, renamed(read_weight_files(path), THEIRS, OURS), list(aux_layers),
                     config.get("draft_vocab_size", 32000),  # speculators' default
-                    context, name_or_path=(speculators.get("verifier") or {}).get("name_or_path"),
-                    steps=proposals[0].get("speculative_tokens"))
+                    context, **proposal_of(config))
 
 
 register(Format("speculators", "eagle3", write=write, recognizes=recognizes, read=read))
