@@ -101,6 +101,22 @@ def batch_vocab(target, batch: dict, size: int = 512):
     return build_draft_vocab([(ids, [1] * len(ids))], target.spec.vocab_size, size, {"test": "batch"})
 
 
+def distilled_setup(target):
+    """(target, a self-distilled batch, a draft vocabulary over it): what a drafter test trains on."""
+    batch = self_distilled_batch(target)
+    return target, batch, batch_vocab(target, batch)
+
+
+def trained_on(drafter, setup, steps: int = 40):
+    """`drafter` after `steps` real optimizer steps on `setup` (distilled_setup): (drafter in eval
+    mode, the (loss, acc/1) history)."""
+    from drafters.base import capture
+
+    target, batch, vocab = setup
+    history = train_steps(drafter, batch, capture(target, vocab, batch, drafter.capture_layers()), steps)
+    return drafter.eval(), history
+
+
 def train_steps(drafter, batch: dict, captured, steps: int, lr: float = 1e-2) -> list[tuple[float, float]]:
     """Real optimizer steps on one batch; (loss, acc/1) after each."""
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)

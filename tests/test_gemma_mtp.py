@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from conftest import batch_vocab, compose_train, lossless_accept_len, self_distilled_batch, train_steps
+from conftest import (batch_vocab, compose_train, distilled_setup, lossless_accept_len, self_distilled_batch,
+                      train_steps, trained_on)
 from drafters.artifact import SavedDrafter, read, verifier_of, write_native
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
@@ -25,17 +26,13 @@ def assistant(target, vocab, *overrides):
 
 @pytest.fixture(scope="module")
 def gemma(tiny_gemma3_target):
-    batch = self_distilled_batch(tiny_gemma3_target)
-    return tiny_gemma3_target, batch, batch_vocab(tiny_gemma3_target, batch)
+    return distilled_setup(tiny_gemma3_target)
 
 
 @pytest.fixture(scope="module")
 def trained(gemma):
     """An assistant after 40 real training steps on the target's own continuations, and its history."""
-    target, batch, vocab = gemma
-    drafter = assistant(target, vocab)
-    history = train_steps(drafter, batch, capture(target, vocab, batch, drafter.capture_layers()), 40)
-    return drafter.eval(), history
+    return trained_on(assistant(gemma[0], gemma[2]), gemma)
 
 
 def test_shapes_and_what_it_shares_with_the_target(gemma):

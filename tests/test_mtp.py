@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import batch_vocab, compose_train, lossless_accept_len, self_distilled_batch, train_steps
+from conftest import (batch_vocab, compose_train, distilled_setup, lossless_accept_len, self_distilled_batch,
+                      train_steps, trained_on)
 from drafters.artifact import SavedDrafter, read, verifier_of, write_native
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
@@ -98,17 +99,13 @@ def qwen3_next(tmp_path_factory, tiny_target):
 
 @pytest.fixture(scope="module")
 def llama(tiny_target):
-    batch = self_distilled_batch(tiny_target)
-    return tiny_target, batch, batch_vocab(tiny_target, batch)
+    return distilled_setup(tiny_target)
 
 
 @pytest.fixture(scope="module")
 def trained(llama):
     """An MTP module after 40 real training steps (from scratch) on the target's own continuations."""
-    target, batch, vocab = llama
-    drafter = mtp(target, vocab)
-    history = train_steps(drafter, batch, capture(target, vocab, batch, drafter.capture_layers()), 40)
-    return drafter.eval(), history
+    return trained_on(mtp(llama[0], llama[2]), llama)
 
 
 def test_step_weights_are_normalized_powers_of_0_6():
