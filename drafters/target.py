@@ -9,15 +9,16 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from drafters import precision
 from drafters.errors import UserError
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass
@@ -110,19 +111,65 @@ def resolve_path(cfg: DictConfig) -> str:
     return str(cfg.path)
 
 
+def cache_root() -> str:
+    """Where converted models are kept (train.yaml's `cache_dir` default)."""
+    return os.environ.get("SPECDRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdraft")
+
+
 @lru_cache(maxsize=4)
-def _load_tokenizer(path: str, gguf_file: str | None, chat_template: str | None):
+def converted_gguf(path: str, gguf_file: str) -> str:
+    """An HF dir (config, tokenizer, dequantized float32 safetensors) made once from a GGUF file:
+    transformers parses a GGUF's metadata field by field, seconds every time (SmolLM2: ~3 s for
+    the tokenizer, again for the config and the weights); the converted dir loads in a fraction of a
+    second. Keyed by the file's path, size and mtime and by the transformers version."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = os.path.join(path, gguf_file)
+    if not os.path.isfile(where):
+        raise UserError(f"target not found: {where}")
+    stat = os.stat(where)
+    key = json.dumps([os.path.abspath(where), stat.st_size, stat.st_mtime_ns, transformers.__version__])
+    out = os.path.join(cache_root(), "gguf", f"{os.path.splitext(gguf_file)[0]}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    _check_causal_lm(path, gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
+    # the GGUF's tensors were dequantized on load, yet transformers refuses to save a model marked
+    # "quantized": drop that marker, the float tensors are what is saved
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    from drafters.artifact import fsync_tree  # (drafters.artifact imports this module)
+
+    partial = f"{out}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(path, gguf_file=gguf_file).save_pretrained(partial)
+    fsync_tree(partial)
+    try:
+        os.rename(partial, out)  # complete or absent
+    except OSError:  # another process converted it first
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def hf_source(cfg: DictConfig) -> str:
+    """What transformers loads the target from: its HF dir or hub id, or the dir a GGUF file was converted into."""
+    path = resolve_path(cfg)
+    return converted_gguf(path, cfg.gguf_file) if cfg.get("gguf_file") else path
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(source: str, chat_template: str | None):
     from transformers import AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     if chat_template:  # a base model ships none: the target config gives a plain-text one
         tokenizer.chat_template = chat_template
     return tokenizer
 
 
 def load_tokenizer(cfg: DictConfig):
-    return _load_tokenizer(resolve_path(cfg), cfg.get("gguf_file"), cfg.get("chat_template"))
+    return _load_tokenizer(hf_source(cfg), cfg.get("chat_template"))
 
 
 def _random_init(cfg: DictConfig, dtype: torch.dtype):
@@ -154,13 +201,6 @@ def _check_causal_lm(path: str, gguf_file: str | None):
         raise UserError(f"target {where} is not a loadable HF model ({str(error).splitlines()[0]})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"target {where} is not a causal LM (model_type '{config.model_type}')")
-
-
-def _load_pretrained(path: str, gguf_file: str | None, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
 
 
 class Target:
@@ -296,11 +336,15 @@ def _fingerprint(cfg: DictConfig, path: str) -> str:
 
 
 def load_target(cfg: DictConfig, device: str | torch.device = "cpu") -> Target:
-    """Load the target described by a `conf/target/*.yaml` node."""
-    dtype = DTYPES[cfg.get("dtype", "bfloat16")]
+    """Load the target described by a `conf/target/*.yaml` node, computing in its `dtype` (auto: the
+    precision native to `device`)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = precision.resolve(cfg.get("dtype", "auto"), device).dtype
     path = resolve_path(cfg)
-    if not cfg.get("random_init"):
-        _check_causal_lm(path, cfg.get("gguf_file"))
+    source = hf_source(cfg)  # a GGUF file is checked when it is converted
+    if not cfg.get("random_init") and not cfg.get("gguf_file"):
+        _check_causal_lm(path, None)
     try:
         tokenizer = load_tokenizer(cfg)
     except (OSError, ValueError) as error:
@@ -308,7 +352,7 @@ def load_target(cfg: DictConfig, device: str | torch.device = "cpu") -> Target:
     if cfg.get("random_init"):
         model = _random_init(cfg, dtype)
     else:
-        model = _load_pretrained(path, cfg.get("gguf_file"), dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise UserError(f"target {cfg.name}: unsupported architecture {type(model).__name__} (no model.layers)")
     return Target(model.to(device), tokenizer, cfg.name, _fingerprint(cfg, path))

@@ -54,15 +54,10 @@ def read_source(cfg: DictConfig) -> SavedDrafter:
 
 
 def write_verifier(saved: SavedDrafter, out: str, overwrite: bool) -> str:
-    """The target as an HF safetensors dir (a GGUF target dequantized): what vLLM and speculators load
-    by path. Returns that path."""
-    target = load_target(OmegaConf.create(saved.target))
+    """The target as an HF safetensors dir (a GGUF target dequantized) in bf16, whatever precision the
+    head was trained in: what vLLM and speculators load by path. Returns that path."""
+    target = load_target(OmegaConf.merge(saved.target, {"dtype": "bfloat16"}))
     saved.check_target(target.spec, out)
-    if getattr(target.model, "hf_quantizer", None) is not None:
-        # a GGUF target is dequantized into plain float weights on load, but transformers still
-        # refuses to save it as "quantized": drop that marker, the tensors are what we save
-        target.model.hf_quantizer = None
-        del target.model.config.quantization_config
     with atomic_directory(out, overwrite) as partial:
         target.model.save_pretrained(partial)
         target.tokenizer.save_pretrained(partial)

@@ -13,13 +13,14 @@ from drafters.artifact import read
 from drafters.target import Target, load_target
 
 
-def load(path: str, target: Target | None = None, dtype: str | None = None):
-    """(target, drafter) ready to generate; refuses an artifact made for another target."""
+def load(path: str, target: Target | None = None, dtype: str = "auto"):
+    """(target, drafter) ready to generate, the target computing in `dtype` (auto: the precision
+    native to this machine, whatever the head was trained in); refuses an artifact made for
+    another target."""
     saved = read(path)
     if target is None:
         target_cfg = OmegaConf.create(saved.target)
-        if dtype:
-            target_cfg.dtype = dtype
+        target_cfg.dtype = dtype
         target = load_target(target_cfg)
     saved.check_target(target.spec, path)
     return target, saved.build(path).to(target.embed_weight.dtype).eval()  # the drafter runs in the target's dtype

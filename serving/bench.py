@@ -77,7 +77,8 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
             proposed[k] += p
             accepted[k] += a
         if cfg.temperature <= 0:  # sampled outputs differ by chance: nothing to compare
-            outcome, gap = compare(plain, spec, plain_stats.margins, cfg.dtype == "float32", cfg.tie_tolerance)
+            exact = target.embed_weight.dtype == torch.float32  # else a near-tie may round either way
+            outcome, gap = compare(plain, spec, plain_stats.margins, exact, cfg.tie_tolerance)
             outcomes.append(outcome)
             if gap is not None:
                 gaps.append(round(gap, 4))
@@ -131,7 +132,7 @@ def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_plain
     from serving.prompts import load_prompts
-    from serving.run import spec_options
+    from serving.run import announce_precision, spec_options
 
     try:
         target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
@@ -140,15 +141,18 @@ def main(cfg: DictConfig) -> None:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    chosen = announce_precision(cfg)
     generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
     options = spec_options(cfg, target, drafter)
     results = {
-        "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": cfg.dtype, "draft": cfg.draft,
+        "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": chosen.name, "dtype_requested": cfg.dtype,
+                   "draft": cfg.draft,
                    "steps": cfg.steps, "min_confidence": cfg.min_confidence,
                    "verify_cost": options["verify_cost"],
                    "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
                    "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
                    "prompt_lookup_tokens": cfg.prompt_lookup_tokens},
+        "hardware": chosen.hardware.to_dict(),
         "datasets": {},
     }
     for name, prompts in sets.items():

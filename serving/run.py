@@ -8,13 +8,22 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from drafters import precision
 from drafters.errors import UserError
+from drafters.precision import Precision
 
 
 def chat_prompt(tokenizer, text: str):
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def announce_precision(cfg: DictConfig) -> Precision:
+    """The one line that says which precision serving runs in, and why."""
+    chosen = precision.resolve(cfg.dtype)
+    print(f"precision: {chosen.describe()}; {chosen.hardware.describe()}", file=sys.stderr)
+    return chosen
 
 
 def sampler(cfg: DictConfig):
@@ -43,6 +52,7 @@ def main(cfg: DictConfig) -> None:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    announce_precision(cfg)
     ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
     eos = {target.tokenizer.eos_token_id}
     try:

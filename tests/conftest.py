@@ -20,6 +20,14 @@ def compose_train(overrides: list[str] | None = None):
 
 
 VARIED_TARGET = ["target=tiny_llama", "+target.random_init.initializer_range=0.3"]
+PROMPTS = ["Explain KV caches in one paragraph.", "Write a haiku about the sea.", "What is 17 * 23?"]
+
+
+def chat_ids(target, text):
+    """A user turn in the target's chat template, ready to generate from: [1, T] token ids."""
+    rendered = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+    return target.tokenizer(rendered, return_tensors="pt", add_special_tokens=False)["input_ids"]
 
 
 def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:

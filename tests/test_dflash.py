@@ -6,13 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import VARIED_TARGET, chi2_pvalue, compose_train, self_distilled_batch, train_steps
+from conftest import PROMPTS, VARIED_TARGET, chat_ids, chi2_pvalue, compose_train, self_distilled_batch, train_steps
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
 from drafters.target import load_target
 from serving.engine import Sampler, generate_plain, generate_spec
 from test_eagle import assert_lossless_on_smollm2, native_round_trip, plain_replies, vocab_over
-from test_engine import PROMPTS, chat_ids
 from test_sampling import PROMPT, VOCAB, encode, exact_joint
 
 
@@ -201,7 +200,7 @@ def test_bad_settings_are_one_clear_line(target, data):
         make_drafter(target, data[2], "dspark", "drafter.markov_rank=0")
 
 
-@pytest.mark.slow
+@pytest.mark.statistical
 def test_dspark_sampling_with_confidence_scheduling_keeps_the_target_distribution():
     """DSpark draws slot k from (block logits + the Markov bias of the draft before it), and the
     confidence schedule cuts the chain from confidences that depend only on earlier drafts: the

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from conftest import VARIED_TARGET, compose_train, train_steps
+from conftest import PROMPTS, VARIED_TARGET, chat_ids, compose_train, train_steps
 from drafters.artifact import SavedDrafter, default_proposal, read, verifier_of, write_native
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
@@ -23,7 +23,6 @@ from export import formats
 from export.formats.eagle3 import llama_fields
 from export.formats.speculators import renamed
 from serving.engine import generate_plain, generate_spec
-from test_engine import PROMPTS, chat_ids
 from test_export import run_export
 
 def train_cfg(*overrides):

@@ -3,19 +3,10 @@
 import pytest
 import torch
 
-from conftest import compose_train
+from conftest import PROMPTS, chat_ids, compose_train
 from drafters.base import build_drafter
 from drafters.vocab import build_draft_vocab
 from serving.engine import generate_spec, generate_plain
-
-PROMPTS = ["Explain KV caches in one paragraph.", "Write a haiku about the sea.", "What is 17 * 23?"]
-
-
-def chat_ids(target, text):
-    rendered = target.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True)
-    return target.tokenizer(rendered, return_tensors="pt", add_special_tokens=False)["input_ids"]
-
 
 def head_for(target, draft_size, seed=0):
     """An untrained EAGLE-3 head: it drafts mostly wrong tokens, the hard case for losslessness."""

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import VARIED_TARGET, chi2_pvalue, compose_train, train_steps
+from conftest import VARIED_TARGET, chat_ids, chi2_pvalue, compose_train, train_steps
 from drafters.artifact import read
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
@@ -19,7 +19,6 @@ from export import formats
 from serving.engine import Sampler, generate_spec
 from test_eagle import (assert_drafts_alike, assert_lossless_on_smollm2, assert_read_back, conversation, edited_head,
                         imported, native_round_trip, plain_replies, saved, vocab_over, write_format)
-from test_engine import chat_ids
 from test_export import run_export
 
 HEADS = 4
@@ -177,6 +176,7 @@ def test_untrained_heads_serve_losslessly(target, options):
 VOCAB, PROMPT = 8, torch.tensor([[1, 5, 3, 7]])
 
 
+@pytest.mark.statistical
 def test_sampled_tree_keeps_the_target_distribution():
     """Two generated tokens over many runs against the target's exact joint distribution: token 2
     is one of head 1's i.i.d. drafts (two siblings) or the residual of rejection sampling. (A chain

@@ -63,7 +63,7 @@ def encode(tokens: list[int]) -> int:
     return code
 
 
-@pytest.mark.slow
+@pytest.mark.statistical
 # a chain at T=1 over 1e5 runs; top-p + dynamic draft length and a sampled tree (i.i.d. children,
 # duplicates included) over fewer runs to keep CI short
 @pytest.mark.parametrize("temperature,top_p,options,draws", [

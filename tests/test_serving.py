@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from conftest import compose_train
+from conftest import PROMPTS, chat_ids, compose_train
 from drafters.errors import UserError
 from drafters.target import load_target
 from serving import artifact
 from serving.engine import generate_spec, generate_plain
-from test_engine import PROMPTS, chat_ids, head_for
+from test_engine import head_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

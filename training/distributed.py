@@ -23,6 +23,8 @@ DESCRIPTIONS = {
     "zero3": "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded over processes",
     "fsdp": "PyTorch FSDP: parameters, gradients and optimizer states sharded over processes",
 }
+# Accelerate's name for each resolved trainer.precision (drafters/precision.py)
+MIXED_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}
 # What Accelerate must end up running for each mode; it silently falls back to plain processes
 # when a plugin does not apply (FSDP on CPU), so the trainer checks.
 EXPECTED_TYPES = {
@@ -39,6 +41,11 @@ def platform() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return "rocm" if torch.version.hip else "cuda"
+
+
+def local_device() -> str:
+    """The device this process trains on, before Accelerate exists: cpu, or the GPU of its local rank."""
+    return "cpu" if platform() == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
 def world_size() -> int:
@@ -74,7 +81,8 @@ def deepspeed_config(cfg: DictConfig, world: int) -> dict:
     _fill(config, "gradient_accumulation_steps", trainer.grad_accum)
     _fill(config, "train_batch_size", trainer.batch_size * trainer.grad_accum * world)
     _fill(config, "gradient_clipping", trainer.grad_clip)
-    _fill(config.setdefault("bf16", {}), "enabled", trainer.precision == "bf16", "bf16.")
+    _fill(config.setdefault("bf16", {}), "enabled", trainer.precision == "bfloat16", "bf16.")
+    _fill(config.setdefault("fp16", {}), "enabled", trainer.precision == "float16", "fp16.")
     return config
 
 
@@ -105,7 +113,7 @@ def make_accelerator(cfg: DictConfig, run_dir: str) -> Accelerator:
     accelerator = Accelerator(
         # Accelerate never runs DeepSpeed in its CPU mode; DeepSpeed brings its own CPU accelerator
         cpu=device == "cpu" and "deepspeed_plugin" not in plugins,
-        mixed_precision="bf16" if cfg.trainer.precision == "bf16" else "no",
+        mixed_precision=MIXED_PRECISION[cfg.trainer.precision],  # resolved by the trainer
         gradient_accumulation_steps=cfg.trainer.grad_accum,
         # the loop steps the schedule once per optimizer step; Accelerate would step it once per process
         step_scheduler_with_optimizer=False,

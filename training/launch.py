@@ -80,7 +80,7 @@ def make_plan(cfg: DictConfig, run_dir: str, overrides: list[str]) -> tuple[dict
         plan["hidden states"] = (f"offline, from {cfg.data.cache.dir}" if cfg.data.hidden_states == "offline"
                                  else "online: the target runs on every micro-batch")
         plan["target"] = ("replicated: every process loads the whole frozen target "
-                          f"({cfg.target.get('dtype', 'bfloat16')}); the drafter is what `distributed` shards")
+                          f"(compute dtype {cfg.target.get('dtype', 'auto')}); the drafter is what `distributed` shards")
         if deepspeed:
             plan["deepspeed"] = deepspeed
     plan["run dir"] = run_dir

@@ -11,16 +11,16 @@ import time
 
 import torch
 from accelerate.utils import set_seed
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
-from transformers import get_cosine_with_min_lr_schedule_with_warmup, get_constant_schedule_with_warmup
 
-from drafters import artifact
+from drafters import artifact, precision
 from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
 from drafters.errors import UserError
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training import checkpoint, data, distributed, hidden_cache
+from training.schedule import TimeBudget, make_schedule
 from training.metrics import MetricsLog
 
 log = logging.getLogger("training")
@@ -166,17 +166,28 @@ def measured_accept_len(drafter, target, eval_set, cfg) -> float:
     return tokens / max(forwards, 1)
 
 
-def make_schedule(cfg: DictConfig, optimizer):
-    if cfg.trainer.schedule == "cosine":
-        return get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, cfg.trainer.warmup_steps, cfg.trainer.max_steps, min_lr_rate=cfg.trainer.min_lr_ratio
-        )
-    if cfg.trainer.schedule == "constant":
-        return get_constant_schedule_with_warmup(optimizer, cfg.trainer.warmup_steps)
-    raise UserError(f"trainer.schedule: unknown schedule '{cfg.trainer.schedule}' (cosine | constant)")
+def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
+    """Resolve `target.dtype` and `trainer.precision` (auto) for this process's device, once, and
+    write the result into the config, so that what ran is what W&B, `trainer_state.json` and
+    `.hydra/config.yaml` record. Returns the record for checkpoints."""
+    device = distributed.local_device()
+    target = precision.resolve(cfg.target.get("dtype", "auto"), device)
+    autocast = precision.resolve(cfg.trainer.precision, device)
+    with open_dict(cfg):
+        cfg.target.dtype, cfg.trainer.precision = target.name, autocast.name
+    if target.describe() == autocast.describe():
+        what = f"{target.describe()} for the target and the drafter"
+    else:
+        what = f"target {target.describe()}, drafter autocast {autocast.describe()}"
+    log.info("precision: %s; %s", what, target.hardware.describe())
+    hydra_config = os.path.join(run_dir, ".hydra", "config.yaml")
+    if os.path.isfile(hydra_config) and int(os.environ.get("RANK", "0")) == 0:  # one writer: the main process
+        OmegaConf.save(cfg, hydra_config)
+    return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
 
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
+    precisions = settle_precision(cfg, run_dir)
     accelerator = distributed.make_accelerator(cfg, run_dir)
     distributed.agree_on_run_dir(accelerator, run_dir)
     if not accelerator.is_main_process:
@@ -191,7 +202,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
 
     optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    schedule = make_schedule(cfg, optimizer)
+    schedule, rate = make_schedule(cfg, optimizer)
     drafter, optimizer, schedule = accelerator.prepare(drafter, optimizer, schedule)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
 
@@ -211,6 +222,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         accelerator.load_state(resume_from)
         start_step = state["step"]
         log.info("resumed from %s at step %d", resume_from, start_step)
+    budget = TimeBudget(cfg, accelerator, rate, start_step)  # rate.total: the run's length from here on
 
     if cfg.logger.name == "wandb":
         os.environ.setdefault("WANDB_MODE", cfg.logger.mode)
@@ -236,9 +248,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     drafter.train()
     window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
     last_eval: dict = {}
-    progress = tqdm(range(start_step, cfg.trainer.max_steps), initial=start_step, total=cfg.trainer.max_steps,
-                    desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
-    for step in progress:
+    progress = tqdm(initial=start_step, total=rate.total, desc="train", disable=not accelerator.is_main_process,
+                    dynamic_ncols=True)
+    step = start_step
+    while step < rate.total:
         began = time.perf_counter()
         for micro in range(cfg.trainer.grad_accum):
             indices = batch_indices(step, micro, cfg, len(train_set), accelerator.process_index, accelerator.num_processes)
@@ -260,7 +273,11 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
                 window["metrics"][key] = window["metrics"].get(key, 0.0) + value
         window["time"] += time.perf_counter() - began
         done = step + 1
-        if done % cfg.trainer.log_every == 0 or done == cfg.trainer.max_steps:
+        budget.after_step(done)
+        progress.total = rate.total
+        progress.update()
+        last = done == rate.total
+        if done % cfg.trainer.log_every == 0 or last:
             values = {"train/loss": window["loss"] / window["n"], "train/lr": schedule.get_last_lr()[0],
                       "perf/tokens_per_s": window["tokens"] / window["time"]}
             values.update({f"train/{k}": v / window["n"] for k, v in window["metrics"].items() if k.startswith("acc/")})
@@ -268,16 +285,17 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
                                  tok_s=f"{values['perf/tokens_per_s']:.0f}")
             window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
-        if done % cfg.trainer.eval_every == 0 or done == cfg.trainer.max_steps:
+        if done % cfg.trainer.eval_every == 0 or last:
             last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
             metrics_log.log(done, last_eval)
             metrics_log.plot()
             log.info("step %d: eval/sim_accept_len %.3f, eval/acc/1 %.3f", done, last_eval["eval/sim_accept_len"],
                      last_eval.get("eval/acc/1", math.nan))
-        if done % cfg.trainer.save_every == 0 or done == cfg.trainer.max_steps:
-            state = {**identity, "hparams": hparams, "target_spec": target.spec.to_dict(),
+        if done % cfg.trainer.save_every == 0 or last:
+            state = {**identity, "hparams": hparams, "target_spec": target.spec.to_dict(), "precision": precisions,
                      "data_position": {"step": done, "seed": cfg.seed}, "config": OmegaConf.to_container(cfg, resolve=True)}
             checkpoint.save(accelerator, drafter, checkpoints_dir, done, state, cfg.trainer.keep_last)
+        step = done
     progress.close()
     if not last_eval:  # resumed at max_steps: still report where things stand
         last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)

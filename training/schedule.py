@@ -1,0 +1,116 @@
+"""How long a run trains: the learning-rate schedule over its steps, and the time budget
+(`trainer.max_minutes`) that settles the number of steps from the measured step time."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from accelerate.utils import broadcast_object_list
+from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LambdaLR
+
+from drafters.errors import UserError
+
+log = logging.getLogger("training")
+
+# An evaluation batch (target forward + drafter forward, no backward) measured at about 0.4 of a
+# training step's time on SmolLM2 (the quick start, both CPU kinds)
+EVAL_BATCH_SHARE = 0.5
+# The run's length is settled from the steps after the first one (whose time includes one-off
+# kernel selection and allocation), at the end of the warm-up, so no step has run at a learning rate
+# that the settled length would have changed
+MIN_TIMED_STEPS = 2
+
+
+class LearningRate:
+    """The learning-rate multiplier at optimizer step `step`: linear warm-up, then cosine decay to
+    `min_ratio` at step `total` (transformers' cosine-with-min-lr formula), or constant. An object,
+    not a closure, so that `total` is saved and restored with the scheduler's state."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float, cosine: bool):
+        self.warmup, self.total, self.min_ratio, self.cosine = warmup, total, min_ratio, cosine
+        self.budgeted = False  # total was cut to what a time budget allows
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return float(step) / float(max(1, self.warmup))
+        if not self.cosine:
+            return 1.0
+        progress = float(step - self.warmup) / float(max(1, self.total - self.warmup))
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return max(0.0, factor * (1 - self.min_ratio) + self.min_ratio)
+
+
+def make_schedule(cfg: DictConfig, optimizer) -> tuple[LambdaLR, LearningRate]:
+    if cfg.trainer.schedule not in ("cosine", "constant"):
+        raise UserError(f"trainer.schedule: unknown schedule '{cfg.trainer.schedule}' (cosine | constant)")
+    rate = LearningRate(cfg.trainer.warmup_steps, cfg.trainer.max_steps, cfg.trainer.min_lr_ratio,
+                        cfg.trainer.schedule == "cosine")
+    return LambdaLR(optimizer, rate), rate
+
+
+class TimeBudget:
+    """`trainer.max_minutes` of wall time for the training loop (evaluations and checkpoints
+    included). At the end of the warm-up the run's length becomes the steps that fit in what is
+    left at the measured step time (never more than `max_steps`); should the run still fall behind,
+    it ends at the first step after which another one would not fit. Without a budget the run is
+    `max_steps` long, as set. The main process decides; the others follow it."""
+
+    def __init__(self, cfg: DictConfig, accelerator, rate: LearningRate, start_step: int):
+        minutes = cfg.trainer.get("max_minutes")
+        self.seconds = None if minutes is None else float(minutes) * 60
+        self.cfg, self.accelerator, self.rate = cfg, accelerator, rate
+        self.began = time.perf_counter()
+        self.settle_at = max(MIN_TIMED_STEPS, min(cfg.trainer.warmup_steps, cfg.trainer.max_steps))
+        self.start_step = start_step
+        self.first_step_done: float | None = None
+        if self.seconds is not None and rate.budgeted:
+            # a resumed run keeps the length its budget allowed (restored with the scheduler)
+            rate.total = min(rate.total, cfg.trainer.max_steps)
+        else:
+            rate.total = cfg.trainer.max_steps
+
+    def after_step(self, done: int) -> None:
+        """Called after each optimizer step `done` (1-based): may settle or shorten the run."""
+        if self.seconds is None:
+            return
+        now = time.perf_counter()
+        if done == self.start_step + 1:
+            self.first_step_done = now
+            return
+        timed = done - self.start_step - 1
+        if self.first_step_done is None or timed < 1:
+            return
+        step_seconds = (now - self.first_step_done) / timed
+        elapsed = now - self.began
+        if done == self.settle_at and self.start_step < self.settle_at:
+            total = self.agreed(self.steps_that_fit(done, elapsed, step_seconds))
+            if total < self.rate.total:
+                log.info("time budget %g min: %.2f s per step over steps %d-%d, so %d steps (max_steps %d)",
+                         self.seconds / 60, step_seconds, self.start_step + 2, done, total, self.cfg.trainer.max_steps)
+                self.rate.total, self.rate.budgeted = total, True
+        elif done < self.rate.total and self.agreed(elapsed + step_seconds > self.seconds):
+            log.info("time budget %g min: %.1f min spent, stopping at step %d of %d", self.seconds / 60,
+                     elapsed / 60, done, self.rate.total)
+            self.rate.total, self.rate.budgeted = done, True
+
+    def steps_that_fit(self, done: int, elapsed: float, step_seconds: float) -> int:
+        trainer = self.cfg.trainer
+        eval_seconds = math.ceil(trainer.eval_max_samples / trainer.batch_size) * step_seconds * EVAL_BATCH_SHARE
+        # n more steps cost n * step_seconds, plus an evaluation every eval_every steps and at the end
+        left = self.seconds - elapsed
+        fits = done
+        while fits < trainer.max_steps:
+            evals = (fits + 1) // trainer.eval_every - done // trainer.eval_every + 1
+            if (fits + 1 - done) * step_seconds + evals * eval_seconds > left:
+                break
+            fits += 1
+        return fits
+
+    def agreed(self, value):
+        """The main process's `value` in every process (they must run the same number of steps)."""
+        if self.accelerator.num_processes == 1:
+            return value
+        return broadcast_object_list([value])[0]
