@@ -81,8 +81,9 @@ def deepspeed_config(cfg: DictConfig, world: int) -> dict:
     _fill(config, "gradient_accumulation_steps", trainer.grad_accum)
     _fill(config, "train_batch_size", trainer.batch_size * trainer.grad_accum * world)
     _fill(config, "gradient_clipping", trainer.grad_clip)
-    _fill(config.setdefault("bf16", {}), "enabled", trainer.precision == "bfloat16", "bf16.")
-    _fill(config.setdefault("fp16", {}), "enabled", trainer.precision == "float16", "fp16.")
+    if trainer.precision != "auto":  # auto (a launch plan) is resolved in each process, on its device
+        _fill(config.setdefault("bf16", {}), "enabled", trainer.precision == "bfloat16", "bf16.")
+        _fill(config.setdefault("fp16", {}), "enabled", trainer.precision == "float16", "fp16.")
     return config
 
 
