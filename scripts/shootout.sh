@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/shootout}
 TARGET=${TARGET:-llama}
 PRESET=${PRESET:-full}       # trainer preset: full = self-distilled data (regenerated once per target, cached)
-STEPS=${STEPS:-100}          # optimizer steps of batch 4 x <=512 tokens
+STEPS=${STEPS:-100}          # optimizer steps of batch 4 x <=512 tokens (no time budget: the same for every drafter)
 EXTRA=${EXTRA:-}             # more training overrides, the same for every drafter
 N=${N:-5}                    # prompts per set
 TOKENS=${TOKENS:-96}         # new tokens per prompt
@@ -24,7 +24,7 @@ for drafter in "${DRAFTERS[@]}"; do
   if [ ! -f "$run/train.done" ] && [[ $PHASES == *train* ]]; then
     mkdir -p "$run"
     start=$(date +%s)
-    python -m training.run drafter="$drafter" target="$TARGET" trainer="$PRESET" trainer.max_steps="$STEPS" \
+    python -m training.run drafter="$drafter" target="$TARGET" trainer="$PRESET" trainer.max_steps="$STEPS" trainer.max_minutes=null \
       logger=none hydra.run.dir="$run" $EXTRA 2>&1 | tee "$run/train.log"
     echo $(( $(date +%s) - start )) > "$run/train.done"
   fi
