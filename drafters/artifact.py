@@ -205,17 +205,45 @@ def fsync_tree(path: str) -> None:
         os.close(descriptor)
 
 
+def _within(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
+
+
+def check_destination(out: str, protect: tuple[str, ...] = (), key: str = "out") -> None:
+    """Refuse, before any work, a destination `out` (the setting `key`) that, symlinks followed, is,
+    contains or lies inside one of the `protect`ed paths (what the command reads) or any training
+    checkpoint."""
+    real = os.path.realpath(out)
+    for path in protect:
+        source = os.path.realpath(path)
+        if _within(real, source) or _within(source, real):
+            raise UserError(f"{key} {out} would overwrite {path}" + (f" (both are {source})" if real == source else ""))
+    probe = real
+    while True:  # out is, or lies inside, a training checkpoint
+        if os.path.isfile(os.path.join(probe, STATE_FILE)):
+            raise UserError(f"{key} {out} would overwrite the training checkpoint {probe}")
+        if os.path.dirname(probe) == probe:
+            break
+        probe = os.path.dirname(probe)
+    if os.path.isdir(real):  # out holds a run's checkpoints (run dir or its checkpoints/)
+        for inner in (real, os.path.join(real, "checkpoints")):
+            if os.path.isdir(inner) and any(os.path.isfile(os.path.join(inner, entry, STATE_FILE))
+                                            for entry in os.listdir(inner)):
+                raise UserError(f"{key} {out} would overwrite the training checkpoints in {inner}")
+
+
 @contextmanager
-def atomic_directory(out: str, overwrite: bool = False):
+def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out"):
     """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
 
     An existing `out` is refused, or with `overwrite` replaced only after the new one is complete
     (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
-    removes the temp dir and leaves `out` as it was.
+    removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
     """
+    check_destination(out, protect, key)
     out = os.path.abspath(out)
     if os.path.lexists(out) and not overwrite:
-        raise UserError(f"out {out} already exists (remove it, or pass overwrite=true to replace it "
+        raise UserError(f"{key} {out} already exists (remove it, or pass overwrite=true to replace it "
                         "once the new one is completely written)")
     parent, name = os.path.split(out)
     os.makedirs(parent, exist_ok=True)

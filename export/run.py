@@ -15,7 +15,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, STATE_FILE, SavedDrafter, atomic_directory, read, read_json
+from drafters.artifact import (CONFIG_FILE, NATIVE_FORMAT, STATE_FILE, SavedDrafter, atomic_directory,
+                               check_destination, read, read_json)
 from drafters.errors import UserError
 from drafters.target import load_target
 from export import formats
@@ -53,12 +54,12 @@ def read_source(cfg: DictConfig) -> SavedDrafter:
     return fmt.read(path, config, context)
 
 
-def write_verifier(saved: SavedDrafter, out: str, overwrite: bool) -> str:
+def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tuple[str, ...]) -> str:
     """The target as an HF safetensors dir (a GGUF target dequantized) in bf16, whatever precision the
     head was trained in: what vLLM and speculators load by path. Returns that path."""
     target = load_target(OmegaConf.merge(saved.target, {"dtype": "bfloat16"}))
     saved.check_target(target.spec, out)
-    with atomic_directory(out, overwrite) as partial:
+    with atomic_directory(out, overwrite, protect, key="verifier_out") as partial:
         target.model.save_pretrained(partial)
         target.tokenizer.save_pretrained(partial)
     return os.path.abspath(out)
@@ -67,18 +68,18 @@ def write_verifier(saved: SavedDrafter, out: str, overwrite: bool) -> str:
 def export(cfg: DictConfig) -> str:
     """Write the artifact; returns the line that says what was written."""
     formats.named(cfg.format)  # an unknown format fails before any work
-    checkpoint, out = os.path.abspath(str(cfg.checkpoint)), os.path.abspath(str(cfg.out))
+    checkpoint, out = str(cfg.checkpoint), os.path.abspath(str(cfg.out))
     if not os.path.isdir(checkpoint):
         raise UserError(f"checkpoint not found: {cfg.checkpoint}")
-    if os.path.commonpath([checkpoint, out]) == out:
-        raise UserError(f"out {out} would replace the checkpoint {checkpoint} it is made from")
-    with atomic_directory(out, cfg.overwrite) as partial:
+    if cfg.verifier_out:  # refused before any work, like out
+        check_destination(str(cfg.verifier_out), (checkpoint, out), key="verifier_out")
+    with atomic_directory(out, cfg.overwrite, protect=(checkpoint,)) as partial:
         saved = read_source(cfg)
         fmt = formats.writer(cfg.format, saved.drafter)
         if cfg.steps:
             saved.proposal["steps"] = int(cfg.steps)
         if cfg.verifier_out:
-            saved.verifier["name_or_path"] = write_verifier(saved, cfg.verifier_out, cfg.overwrite)
+            saved.verifier["name_or_path"] = write_verifier(saved, cfg.verifier_out, cfg.overwrite, (checkpoint, out))
         elif cfg.verifier:
             saved.verifier["name_or_path"] = str(cfg.verifier)
         fmt.write_checked(saved, partial, str(cfg.checkpoint))

@@ -127,6 +127,14 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def check_out_dir(out: str) -> None:
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise UserError(f"out {out}: no directory {directory} to write the results into")
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"out {out}: directory {directory} is not writable")
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="bench")
 def main(cfg: DictConfig) -> None:
     from serving import artifact
@@ -135,6 +143,7 @@ def main(cfg: DictConfig) -> None:
     from serving.run import announce_precision, spec_options
 
     try:
+        check_out_dir(str(cfg.out))  # before the benchmark's minutes, not after
         target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
         names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
         sets = {name: load_prompts(name, cfg.n) for name in names}

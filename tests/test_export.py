@@ -265,8 +265,44 @@ def test_out_is_refused_or_replaced_whole(checkpoint, tmp_path):
     run_export(checkpoint=checkpoint, out=out, overwrite="true")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["bad", "out"]  # no temp dirs left behind
-    with pytest.raises(UserError, match="would replace the checkpoint"):
+    with pytest.raises(UserError, match="would overwrite"):
         run_export(checkpoint=out, out=out, overwrite="true")
+
+
+def tree_digest(directory) -> dict:
+    """Every path under `directory` (symlinks as their targets) with its bytes' hash."""
+    import hashlib
+
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, directory)
+            if os.path.islink(path):
+                found[relative] = "-> " + os.readlink(path)
+            elif os.path.isfile(path):
+                found[relative] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return found
+
+
+def test_no_destination_reaches_a_training_checkpoint(checkpoint, tmp_path):
+    """out / verifier_out that are, contain or lie inside a checkpoint, through `latest` or not, are
+    refused before anything is written, overwrite or not."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.dirname(os.path.dirname(checkpoint)), run, symlinks=True)
+    latest, step = run / "checkpoints" / "latest", os.path.realpath(run / "checkpoints" / "latest")
+    before = tree_digest(run)
+    for source, destination in [(latest, step), (step, latest), (latest, run / "checkpoints"), (latest, run),
+                                (step, os.path.join(step, "sub")),
+                                (checkpoint, step)]:  # another run's checkpoint: never an out either
+        with pytest.raises(UserError, match="would overwrite"):
+            run_export(checkpoint=source, out=destination, overwrite="true")
+    with pytest.raises(UserError, match="would overwrite"):
+        run_export(checkpoint=step, format="speculators", out=tmp_path / "spec", verifier_out=step, overwrite="true")
+    with pytest.raises(UserError, match="would overwrite"):
+        run_export(checkpoint=step, format="speculators", out=tmp_path / "spec", verifier_out=tmp_path / "spec")
+    assert tree_digest(run) == before
+    assert not (tmp_path / "spec").exists()
 
 
 def test_training_init_from_an_artifact(checkpoint, tmp_path):

@@ -207,12 +207,17 @@ def budget_for(monkeypatch, minutes, max_steps=100, warmup=2, rate=None, start_s
     return schedule.TimeBudget(cfg, SimpleNamespace(num_processes=1), rate, start_step), rate, clock
 
 
-def test_time_budget_settles_the_length_at_the_end_of_warmup(monkeypatch):
+def warmed_up(monkeypatch):
+    """A 5-minute budget after its 2 warm-up steps: 10 s a step, the first with 5 s of one-off start-up."""
     budget, rate, clock = budget_for(monkeypatch, minutes=5)
-    clock.now = 15.0  # step 1: 10 s plus 5 s of one-off start-up
-    budget.after_step(1)
-    clock.now = 25.0
-    budget.after_step(2)
+    for step, now in ((1, 15.0), (2, 25.0)):
+        clock.now = now
+        budget.after_step(step)
+    return budget, rate, clock
+
+
+def test_time_budget_settles_the_length_at_the_end_of_warmup(monkeypatch):
+    budget, rate, clock = warmed_up(monkeypatch)
     # 275 s left at 10 s a step, with one final evaluation of 2 batches x 10 s x EVAL_BATCH_SHARE
     assert rate.total == 2 + int((275 - 2 * 10 * schedule.EVAL_BATCH_SHARE) // 10)
     settled = rate.total
@@ -224,10 +229,7 @@ def test_time_budget_settles_the_length_at_the_end_of_warmup(monkeypatch):
 
 
 def test_time_budget_stops_a_run_that_falls_behind(monkeypatch):
-    budget, rate, clock = budget_for(monkeypatch, minutes=5)
-    for step, now in ((1, 15.0), (2, 25.0)):
-        clock.now = now
-        budget.after_step(step)
+    budget, rate, clock = warmed_up(monkeypatch)
     settled = rate.total
     step = 2
     while step < rate.total:  # steps take 4x longer than measured from here on
@@ -238,10 +240,7 @@ def test_time_budget_stops_a_run_that_falls_behind(monkeypatch):
 
 
 def test_a_resumed_run_keeps_its_budgeted_length_or_takes_a_new_max_steps(monkeypatch):
-    budget, rate, clock = budget_for(monkeypatch, minutes=5)
-    for step, now in ((1, 15.0), (2, 25.0)):
-        clock.now = now
-        budget.after_step(step)
+    _, rate, _ = warmed_up(monkeypatch)
     settled = rate.total
     assert settled < 100 and rate.budgeted
     restored = schedule.LearningRate(2, 100, 0.1, True)

@@ -95,6 +95,14 @@ def test_bench_json_interface(checkpoint, tmp_path):
     assert (tmp_path / "res.png").exists()
 
 
+def test_bench_refuses_an_out_it_could_not_write_before_benchmarking(checkpoint, tmp_path):
+    result = cli("serving.bench", f"artifact={checkpoint}", f"out={tmp_path / 'no' / 'such' / 'b.json'}", "n=1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (f"error: out {tmp_path / 'no' / 'such' / 'b.json'}: no directory "
+                                                      f"{tmp_path / 'no' / 'such'} to write the results into")
+    assert "prompts" not in result.stderr  # no benchmark ran
+
+
 def test_missing_artifact_is_one_clear_line(tmp_path):
     for module in ("serving.run", "serving.bench"):
         result = cli(module, f"artifact={tmp_path / 'nope'}")
