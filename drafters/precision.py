@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -130,13 +131,26 @@ def cpu_hardware(caps: Mapping, dispatch: str, isa_capped: bool, measure: Callab
     return Hardware("cpu", name, dispatch, native, False, evidence, torch.get_num_threads())
 
 
+def cpu_capabilities(get=getattr(torch.cpu, "get_capabilities", None)) -> Mapping:
+    """torch.cpu.get_capabilities(); a torch without it (older releases) gets the bf16 flags from
+    Linux's /proc/cpuinfo (elsewhere none: the benchmark then decides for ARM, fp32 for x86)."""
+    if get is not None:
+        return get()
+    flags: set[str] = set()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as handle:
+            flags = {word for line in handle if line.startswith(("flags", "Features")) for word in line.split()}
+    return {"architecture": platform.machine(), "cpu_name": platform.processor(), "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags, "bf16": "bf16" in flags, "sve_bf16": "svebf16" in flags}
+
+
 @lru_cache(maxsize=None)
 def probe(device_type: str, index: int = 0) -> Hardware:
     """This process's hardware of `device_type` (cpu | cuda), probed once."""
     if device_type == "cpu":
         # ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY cap what torch's kernels use below what the CPU has
         capped = bool(os.environ.get("ONEDNN_MAX_CPU_ISA"))
-        return cpu_hardware(torch.cpu.get_capabilities(), torch.backends.cpu.get_cpu_capability(), capped,
+        return cpu_hardware(cpu_capabilities(), torch.backends.cpu.get_cpu_capability(), capped,
                             lambda: matmul_slowdown(torch.bfloat16))
     properties = torch.cuda.get_device_properties(index)
     rocm = bool(torch.version.hip)

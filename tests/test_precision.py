@@ -83,6 +83,16 @@ def test_explicit_values_win():
         precision.resolve("bf17")
 
 
+def test_capabilities_without_get_capabilities():
+    """A torch without torch.cpu.get_capabilities: the same bf16 verdict from its older flags."""
+    theirs = dict(precision.cpu_capabilities())
+    ours = precision.cpu_capabilities(get=None)
+    assert ours["architecture"] == theirs["architecture"]
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    assert cpu_hardware(ours, dispatch, False, lambda: 1.0).native_bf16 == cpu_hardware(theirs, dispatch, False,
+                                                                                          lambda: 1.0).native_bf16
+
+
 def test_this_machine_is_probed_for_what_it_computes():
     """The real probe against the real hardware: when it calls bf16 native, a bf16 matmul is no
     slower than a few times fp32; when it does not, it is many times slower or never reported."""
