@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from drafters import precision
 from drafters.errors import UserError
 from drafters.target import load_target
 from training import distributed, hidden_cache
@@ -45,6 +46,8 @@ def dump(cfg: DictConfig) -> dict:
     device, world = distributed.platform(), distributed.world_size()
     state = PartialState(cpu=device == "cpu", **({"backend": "gloo"} if device == "cpu" and world > 1 else {}))
     target = load_target(cfg.target, state.device)
+    chosen = precision.resolve(cfg.target.get("dtype", "auto"), state.device)
+    log.info("precision: %s for the target; %s", chosen.describe(), chosen.hardware.describe())
     with state.main_process_first():  # the main process writes the data caches, the others read them
         train_set, eval_set = prepare_data(cfg, target)
     with tempfile.TemporaryDirectory() as scratch:  # the drafter is built only to learn its capture layers
