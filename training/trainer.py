@@ -286,12 +286,12 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
                                  tok_s=f"{values['perf/tokens_per_s']:.0f}")
             window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
         if done % cfg.trainer.eval_every == 0 or last:
-            began = time.perf_counter()
+            eval_began = time.perf_counter()
             last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
             metrics_log.log(done, last_eval)
             metrics_log.plot()
             log.info("step %d: eval/sim_accept_len %.3f, eval/acc/1 %.3f (%.1f s)", done, last_eval["eval/sim_accept_len"],
-                     last_eval.get("eval/acc/1", math.nan), time.perf_counter() - began)
+                     last_eval.get("eval/acc/1", math.nan), time.perf_counter() - eval_began)
         if done % cfg.trainer.save_every == 0 or last:
             state = {**identity, "hparams": hparams, "target_spec": target.spec.to_dict(), "precision": precisions,
                      "data_position": {"step": done, "seed": cfg.seed}, "config": OmegaConf.to_container(cfg, resolve=True)}
