@@ -160,13 +160,13 @@ def probe(device_type: str, index: int = 0) -> Hardware:
                     "reported by torch", torch.get_num_threads())
 
 
-def canonical(value) -> str:
-    """auto, or the dtype's own name (bf16 -> bfloat16, ...)."""
+def canonical(value, key: str = "precision") -> str:
+    """auto, or the dtype's own name (bf16 -> bfloat16, ...); `key` names the setting in errors."""
     requested = str(value).lower()
     if requested == "auto":
         return requested
     if requested not in NAMES:
-        raise UserError(f"precision '{value}': unknown ({CHOICES})")
+        raise UserError(f"{key}={value}: unknown precision ({CHOICES})")
     return dtype_name(NAMES[requested])
 
 
@@ -179,11 +179,11 @@ def _resolve(requested: str, device_type: str, index: int) -> Precision:
     return precision
 
 
-def resolve(value, device: str | torch.device = "cpu") -> Precision:
+def resolve(value, device: str | torch.device = "cpu", key: str = "precision") -> Precision:
     """The compute dtype for `value` (auto or an explicit name) on `device`; once per process."""
     device = torch.device(device)
     index = 0 if device.type == "cpu" or device.index is None else device.index
-    return _resolve(canonical(value), device.type, index)
+    return _resolve(canonical(value, key), device.type, index)
 
 
 def warn_if_slow(precision: Precision) -> None:

@@ -340,7 +340,7 @@ def load_target(cfg: DictConfig, device: str | torch.device = "cpu") -> Target:
     precision native to `device`)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = precision.resolve(cfg.get("dtype", "auto"), device).dtype
+    dtype = precision.resolve(cfg.get("dtype", "auto"), device, key="target.dtype").dtype
     path = resolve_path(cfg)
     source = hf_source(cfg)  # a GGUF file is checked when it is converted
     if not cfg.get("random_init") and not cfg.get("gguf_file"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from drafters import precision
 from drafters.artifact import read
 from drafters.target import Target, load_target
 
@@ -20,7 +21,7 @@ def load(path: str, target: Target | None = None, dtype: str = "auto"):
     saved = read(path)
     if target is None:
         target_cfg = OmegaConf.create(saved.target)
-        target_cfg.dtype = dtype
+        target_cfg.dtype = precision.canonical(dtype, key="dtype")
         target = load_target(target_cfg)
     saved.check_target(target.spec, path)
     return target, saved.build(path).to(target.embed_weight.dtype).eval()  # the drafter runs in the target's dtype

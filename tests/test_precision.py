@@ -79,8 +79,8 @@ def test_explicit_values_win():
     assert choose("bf16", slow_cpu) == torch.bfloat16
     assert choose("fp32", gpu(True, True)) == torch.float32
     assert precision.resolve("float32").dtype == precision.resolve("fp32").dtype == torch.float32
-    with pytest.raises(UserError, match="precision 'bf17': unknown"):
-        precision.resolve("bf17")
+    with pytest.raises(UserError, match="trainer.precision=bf17: unknown precision"):
+        precision.resolve("bf17", key="trainer.precision")
 
 
 def test_capabilities_without_get_capabilities():
@@ -260,6 +260,12 @@ def test_a_resumed_run_keeps_its_budgeted_length_or_takes_a_new_max_steps(monkey
     unbudgeted = schedule.LearningRate(2, 2, 0.1, True)  # a finished 2-step run, extended to 4
     _, extended, _ = budget_for(monkeypatch, minutes=5, max_steps=4, rate=unbudgeted, start_step=2)
     assert extended.total == 4
+
+
+@pytest.mark.parametrize("minutes", [0, -1, "abc", True])
+def test_a_budget_that_is_no_positive_number_is_one_clear_error(monkeypatch, minutes):
+    with pytest.raises(UserError, match=f"trainer.max_minutes={minutes}: give a number of minutes > 0"):
+        budget_for(monkeypatch, minutes=minutes)
 
 
 def test_time_budget_never_exceeds_max_steps_and_off_is_max_steps(monkeypatch):

@@ -60,6 +60,8 @@ class TimeBudget:
 
     def __init__(self, cfg: DictConfig, accelerator, rate: LearningRate, start_step: int):
         minutes = cfg.trainer.get("max_minutes")
+        if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
+            raise UserError(f"trainer.max_minutes={minutes}: give a number of minutes > 0, or null for no budget")
         self.seconds = None if minutes is None else float(minutes) * 60
         self.cfg, self.accelerator, self.rate = cfg, accelerator, rate
         self.began = time.perf_counter()

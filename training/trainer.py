@@ -171,8 +171,8 @@ def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
     write the result into the config, so that what ran is what W&B, `trainer_state.json` and
     `.hydra/config.yaml` record. Returns the record for checkpoints."""
     device = distributed.local_device()
-    target = precision.resolve(cfg.target.get("dtype", "auto"), device)
-    autocast = precision.resolve(cfg.trainer.precision, device)
+    target = precision.resolve(cfg.target.get("dtype", "auto"), device, key="target.dtype")
+    autocast = precision.resolve(cfg.trainer.precision, device, key="trainer.precision")
     with open_dict(cfg):
         cfg.target.dtype, cfg.trainer.precision = target.name, autocast.name
     if target.describe() == autocast.describe():
