@@ -15,9 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -25,13 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from drafters import settings
 from drafters.base import Drafter, build_drafter, drafter_class
 from drafters.errors import UserError
 from drafters.target import TargetSpec
 from drafters.vocab import DraftVocab
+from drafters.writes import STATE_FILE
 
 NATIVE_FORMAT, NATIVE_VERSION = "specdraft", 1
-CONFIG_FILE, WEIGHTS_FILE, STATE_FILE = "config.json", "model.safetensors", "trainer_state.json"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 AUX_LAYER_CONVENTION = "input of layer k (= HF hidden_states[k])"
 # What a drafter's weights and aux layer ids depend on: a target differing in these is another target.
 VERIFIER_FIELDS = ("vocab_size", "hidden_size", "num_layers")
@@ -56,10 +55,12 @@ class SavedDrafter:
 
     def skeleton(self) -> Drafter:
         """The drafter these hyper-parameters describe, on the meta device: names and shapes, no memory."""
+        cls, hparams = drafter_class(self.drafter), OmegaConf.create(self.hparams)
+        settings.check(hparams, cls.Settings, f"{self.drafter} hyper-parameter ", present_only=True)
         with torch.device("meta"):
             sizes = DraftVocab(torch.zeros(self.hparams["draft_vocab_size"], dtype=torch.long),
                                torch.zeros(self.verifier["vocab_size"], dtype=torch.bool), key={})
-            return drafter_class(self.drafter)(OmegaConf.create(self.hparams), self.spec, sizes)
+            return cls(hparams, self.spec, sizes)
 
     def check_weights(self, where: str) -> None:
         """One line naming every missing, unexpected or wrongly shaped weight, if any."""
@@ -191,81 +192,6 @@ def write_native(saved: SavedDrafter, directory: str) -> None:
         "proposal": saved.proposal,
     }
     write_files(directory, config, saved.weights)
-
-
-def fsync_tree(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as handle:
-                os.fsync(handle.fileno())
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _within(path: str, directory: str) -> bool:
-    return os.path.commonpath([path, directory]) == directory
-
-
-def check_destination(out: str, protect: tuple[str, ...] = (), key: str = "out") -> None:
-    """Refuse, before any work, a destination `out` (the setting `key`) that, symlinks followed, is,
-    contains or lies inside one of the `protect`ed paths (what the command reads) or any training
-    checkpoint."""
-    real = os.path.realpath(out)
-    for path in protect:
-        source = os.path.realpath(path)
-        if _within(real, source) or _within(source, real):
-            raise UserError(f"{key} {out} would overwrite {path}" + (f" (both are {source})" if real == source else ""))
-    probe = real
-    while True:  # out is, or lies inside, a training checkpoint
-        if os.path.isfile(os.path.join(probe, STATE_FILE)):
-            raise UserError(f"{key} {out} would overwrite the training checkpoint {probe}")
-        if os.path.dirname(probe) == probe:
-            break
-        probe = os.path.dirname(probe)
-    if os.path.isdir(real):  # out holds a run's checkpoints (run dir or its checkpoints/)
-        for inner in (real, os.path.join(real, "checkpoints")):
-            if os.path.isdir(inner) and any(os.path.isfile(os.path.join(inner, entry, STATE_FILE))
-                                            for entry in os.listdir(inner)):
-                raise UserError(f"{key} {out} would overwrite the training checkpoints in {inner}")
-
-
-@contextmanager
-def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out"):
-    """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
-
-    An existing `out` is refused, or with `overwrite` replaced only after the new one is complete
-    (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
-    removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
-    """
-    check_destination(out, protect, key)
-    out = os.path.abspath(out)
-    if os.path.lexists(out) and not overwrite:
-        raise UserError(f"{key} {out} already exists (remove it, or pass overwrite=true to replace it "
-                        "once the new one is completely written)")
-    parent, name = os.path.split(out)
-    os.makedirs(parent, exist_ok=True)
-    partial = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
-    os.mkdir(partial)
-    try:
-        yield partial
-        fsync_tree(partial)
-        if os.path.lexists(out):
-            old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(out, old)
-            try:
-                os.replace(partial, out)
-            except OSError:
-                os.replace(old, out)  # put the old one back
-                raise
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def start_from(path: str, cfg: DictConfig, target) -> tuple[Drafter, DraftVocab, dict]:

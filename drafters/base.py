@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from drafters import settings
 from drafters.errors import UserError
 from drafters.target import Target, TargetSpec
 from drafters.vocab import DraftVocab
@@ -76,6 +77,7 @@ class Drafter(nn.Module):
     """A draft head. Subclasses live in one file each and register themselves."""
 
     name: str = ""
+    Settings: type = settings.Drafter  # the keys of its conf/drafter/*.yaml, their types and ranges
 
     def __init__(self, cfg: DictConfig, spec: TargetSpec, vocab: DraftVocab):
         super().__init__()
@@ -101,8 +103,15 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
 
+def check_settings(cfg: DictConfig) -> type[Drafter]:
+    """The drafter class `drafter.name` names, once `cfg` (the `drafter` node) fits its Settings."""
+    cls = drafter_class(cfg.name)
+    settings.check(cfg, cls.Settings, "drafter.")
+    return cls
+
+
 def build_drafter(cfg: DictConfig, target: Target, vocab: DraftVocab) -> Drafter:
-    drafter = drafter_class(cfg.name)(cfg, target.spec, vocab)
+    drafter = check_settings(cfg)(cfg, target.spec, vocab)
     target.check_layers(drafter.capture_layers())
     drafter.init_from_target(target)
     return drafter

@@ -27,11 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from drafters import settings
 from drafters.base import Captured, register
 from drafters.errors import UserError
 from drafters.layers import DraftLayer, add_fused_head, copy_target_head, draft_layer_config
 from drafters.losses import trained_positions
 from drafters.proposal import ParallelDrafter
+from drafters.settings import above, anything, at_least
 
 
 class DFlashLayer(DraftLayer):
@@ -86,12 +88,20 @@ class BlockRows:
 
 @register("dflash")
 class DFlash(ParallelDrafter):
+    @dataclass
+    class Settings(settings.Drafter):
+        block_size: int = at_least(2)
+        num_layers: int = at_least(1)
+        aux_layers: list[int] | None = at_least(0)
+        num_aux: int = at_least(1)
+        mask_token_id: int | None = at_least(0)
+        blocks_per_sequence: int = at_least(1)
+        loss_gamma: float = above(0)
+        init_head_from_target: bool = anything()
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         self.block_size, num_layers = int(cfg.block_size), int(cfg.num_layers)
-        if self.block_size < 2 or num_layers < 1:
-            raise UserError(f"drafter.block_size={cfg.block_size}, drafter.num_layers={cfg.num_layers}: "
-                            f"{self.name} needs a block of at least 2 slots and at least one layer")
         self.mask_token_id = spec.vocab_size - 1 if cfg.get("mask_token_id") is None else int(cfg.mask_token_id)
         if not 0 <= self.mask_token_id < spec.vocab_size:
             raise UserError(f"drafter.mask_token_id={self.mask_token_id} is outside the target's vocabulary "

@@ -18,6 +18,8 @@ Weight names follow speculators' DSpark (`markov_head.markov_w1`, `markov_head.m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,7 @@ from torch import nn
 from drafters.base import Captured, greedy_draw, register
 from drafters.dflash import ContextCache, DFlash
 from drafters.errors import UserError
+from drafters.settings import at_least
 
 
 class MarkovHead(nn.Module):
@@ -43,12 +46,16 @@ class ConfidenceHead(nn.Module):
 
 @register("dspark")
 class DSpark(DFlash):
+    @dataclass
+    class Settings(DFlash.Settings):
+        markov_rank: int = at_least(1)  # drafter=dflash is DSpark without the Markov head
+        ce_weight: float = at_least(0)
+        tv_weight: float = at_least(0)
+        confidence_weight: float = at_least(0)
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         rank = int(cfg.markov_rank)
-        if rank < 1:
-            raise UserError(f"drafter.markov_rank={cfg.markov_rank}: DSpark's Markov head needs a rank >= 1 "
-                            "(drafter=dflash is DSpark without it)")
         self.markov_head = MarkovHead(spec.vocab_size, vocab.draft_size, rank)
         self.confidence_head = ConfidenceHead(spec.hidden_size + rank)
 

@@ -14,19 +14,30 @@ them (`fc`, a Llama layer), `midlayer` standing for their `layers.0` (export ren
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from drafters import settings
 from drafters.base import Captured, register
 from drafters.layers import DraftCache, DraftLayer, TargetNorm, draft_layer_config
 from drafters.losses import distill, trained_positions
 from drafters.proposal import StepDrafter
+from drafters.settings import anything, at_least
 
 
 @register("eagle")
 class Eagle(StepDrafter):
+    @dataclass
+    class Settings(settings.Drafter):
+        feature_noise: float = at_least(0)
+        feature_weight: float = at_least(0)
+        token_weight: float = at_least(0)
+        fc_bias: bool = anything()
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         width = spec.hidden_size

@@ -13,10 +13,14 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from dataclasses import dataclass
+
+from drafters import settings
 from drafters.base import Captured, register
 from drafters.layers import DraftCache, DraftLayer, add_fused_head, copy_target_head, draft_layer_config, ttt_attention
 from drafters.losses import distill, trained_positions
 from drafters.proposal import StepDrafter
+from drafters.settings import above, anything, at_least
 
 
 class Eagle3Layer(DraftLayer):
@@ -35,6 +39,13 @@ class Eagle3Layer(DraftLayer):
 
 @register("eagle3")
 class Eagle3(StepDrafter):
+    @dataclass
+    class Settings(settings.Drafter):
+        aux_layers: list[int] | None = at_least(0)
+        ttt_steps: int = at_least(1)
+        loss_decay: float = above(0)
+        init_head_from_target: bool = anything()
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         self.layer_config = draft_layer_config(spec)

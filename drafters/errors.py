@@ -1,5 +1,50 @@
-"""The one exception type for bad user input: entry points print its message as one line and exit 2."""
+"""Bad user input and how every entry point reports it.
+
+The contract (README "When something is wrong"): a user mistake prints one `error: ...` line naming
+the culprit and exits 2, before anything on disk is touched; an unexpected exception keeps its
+traceback, says it is a bug, and exits 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+
+USER_MISTAKE, BUG, INTERRUPTED = 2, 1, 130
 
 
 class UserError(Exception):
     """Bad input from the user (file, config, model mismatch); the message names the culprit."""
+
+
+def fail(message: str) -> None:
+    """Print `error: <message>` as one line and exit 2."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(USER_MISTAKE)
+
+
+def entry_point(main):
+    """Wrap a command's main (under `@hydra.main`): UserError and the operating system's refusals
+    (a missing directory, no permission, a full disk) become one line and exit 2; Ctrl-C exits 130
+    without a traceback; anything else is a bug and says so."""
+
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as error:
+            fail(str(error))
+        except OSError as error:  # the message names the file and what the system refused
+            where = f"{error.filename}: " if error.filename else ""
+            fail(f"{where}{error.strerror or error}")
+        except KeyboardInterrupt:
+            print("error: interrupted (every file written so far is complete or absent)", file=sys.stderr)
+            sys.exit(INTERRUPTED)
+        except Exception:
+            traceback.print_exc()
+            print("error: this is a bug in specdraft, not a mistake in your input: please report it "
+                  "with the traceback above", file=sys.stderr)
+            sys.exit(BUG)
+
+    return run

@@ -15,18 +15,22 @@ cost one assistant forward per level, and the tree's nodes are independent of ea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
+from drafters import settings
 from drafters.base import Captured, register
 from drafters.errors import UserError
 from drafters.layers import TargetNorm
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
 from drafters.target import TargetClasses, full_attention_rope, full_attention_rope_parameters
+from drafters.settings import above, at_least
 
 
 class AssistantAttention(nn.Module):
@@ -120,6 +124,15 @@ def readable_kv_layer(spec, classes: TargetClasses) -> int:
 
 @register("gemma_mtp")
 class GemmaMTP(StepDrafter):
+    @dataclass
+    class Settings(settings.Drafter):
+        ttt_steps: int = at_least(1)
+        loss_decay: float = above(0)
+        hidden_size: int | None = at_least(1)
+        intermediate_size: int | None = at_least(1)
+        num_layers: int = at_least(1)
+        num_heads: int | None = at_least(1)
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         classes = TargetClasses(spec)

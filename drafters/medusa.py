@@ -20,15 +20,18 @@ Weight names are those of vLLM's `MedusaModel` (`blocks.{k}.layers.{j}`, `lm_hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters import settings
 from drafters.base import Captured, register
-from drafters.errors import UserError
 from drafters.layers import DraftCache, TargetNorm
 from drafters.losses import distill, trained_positions
 from drafters.proposal import ParallelDrafter
+from drafters.settings import above, at_least
 
 
 class ResidualBlocks(nn.Module):
@@ -50,11 +53,14 @@ class ResidualBlocks(nn.Module):
 
 @register("medusa")
 class Medusa(ParallelDrafter):
+    @dataclass
+    class Settings(settings.Drafter):
+        num_heads: int = at_least(1)
+        num_layers: int = at_least(0)  # residual blocks per head
+        loss_decay: float = above(0)
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
-        if int(cfg.num_heads) < 1 or int(cfg.num_layers) < 0:
-            raise UserError(f"drafter.num_heads={cfg.num_heads}, drafter.num_layers={cfg.num_layers}: "
-                            "Medusa needs at least one head and zero or more residual blocks per head")
         width = spec.hidden_size
         self.target_norm = TargetNorm(spec)
         self.blocks = nn.ModuleList(ResidualBlocks(width, int(cfg.num_layers)) for _ in range(int(cfg.num_heads)))

@@ -31,12 +31,14 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from drafters import settings
 from drafters.base import Captured, register
 from drafters.errors import UserError
 from drafters.layers import DraftCache, TargetNorm, ttt_attention
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
 from drafters.target import TargetClasses, full_attention_rope
+from drafters.settings import above, anything, at_least
 
 ATTENTION = "specdraft_mtp"
 
@@ -145,6 +147,13 @@ def safetensors_reader(directory: str):
 
 @register("mtp")
 class MTP(StepDrafter):
+    @dataclass
+    class Settings(settings.Drafter):
+        ttt_steps: int = at_least(1)
+        loss_decay: float = above(0)
+        native_mtp: bool = anything()
+        native_layout: str | None = anything()
+
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         classes = TargetClasses(spec)

@@ -10,7 +10,6 @@ import inspect
 import json
 import os
 import shutil
-import uuid
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import precision
 from drafters.errors import UserError
+from drafters.writes import fsync_tree, remove_stale_partials, temp_beside
 
 
 @dataclass
@@ -139,9 +139,8 @@ def converted_gguf(path: str, gguf_file: str) -> str:
     # "quantized": drop that marker, the float tensors are what is saved
     model.hf_quantizer = None
     del model.config.quantization_config
-    from drafters.artifact import fsync_tree  # (drafters.artifact imports this module)
-
-    partial = f"{out}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    remove_stale_partials(out)
+    partial = temp_beside(out)
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(path, gguf_file=gguf_file).save_pretrained(partial)
     fsync_tree(partial)

@@ -12,13 +12,13 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from drafters.errors import UserError
+from drafters.writes import atomic_file
 
 FORMAT = "specdraft.draft_vocab"
 VERSION = 1
@@ -49,12 +49,9 @@ class DraftVocab:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically, so an interrupted save never leaves a half-written vocab behind."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         metadata = {"format": FORMAT, "version": str(VERSION), "key": json.dumps(self.key, sort_keys=True)}
-        save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
+        with atomic_file(str(path), key="draft vocabulary") as partial:
+            save_file({"d2t": self.d2t.contiguous(), "t2d": self.t2d.contiguous()}, partial, metadata=metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DraftVocab:

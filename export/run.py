@@ -10,15 +10,18 @@ artifact is written to a temp dir beside `out` and renamed into place when compl
 from __future__ import annotations
 
 import os
-import sys
+from dataclasses import dataclass
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.artifact import (CONFIG_FILE, NATIVE_FORMAT, STATE_FILE, SavedDrafter, atomic_directory,
-                               check_destination, read, read_json)
-from drafters.errors import UserError
+from drafters import settings
+from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
+from drafters.base import check_settings
+from drafters.errors import UserError, entry_point
+from drafters.settings import anything, at_least
 from drafters.target import load_target
+from drafters.writes import STATE_FILE, atomic_directory, check_destination
 from export import formats
 
 
@@ -65,8 +68,24 @@ def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tupl
     return os.path.abspath(out)
 
 
+@dataclass
+class Export:
+    """conf/export.yaml's schema (drafters/settings.py): checked before anything is read."""
+
+    checkpoint: str = anything()
+    format: str = anything()  # export/formats names the formats
+    out: str = anything()
+    overwrite: bool = anything()
+    verifier: str | None = anything()
+    verifier_out: str | None = anything()
+    steps: int | None = at_least(1)
+    target: settings.Target = anything()
+
+
 def export(cfg: DictConfig) -> str:
     """Write the artifact; returns the line that says what was written."""
+    settings.check(cfg, Export)
+    check_settings(cfg.drafter)
     formats.named(cfg.format)  # an unknown format fails before any work
     checkpoint, out = str(cfg.checkpoint), os.path.abspath(str(cfg.out))
     if not os.path.isdir(checkpoint):
@@ -89,12 +108,9 @@ def export(cfg: DictConfig) -> str:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="export")
+@entry_point
 def main(cfg: DictConfig) -> None:
-    try:
-        print(export(cfg))
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    print(export(cfg))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import hydra
@@ -16,7 +15,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from drafters.errors import UserError
+from drafters.errors import UserError, entry_point
+from drafters.settings import check
+from drafters.writes import atomic_file, check_destination, check_writable
+from serving.settings import Bench
 
 
 def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool, tolerance: float):
@@ -123,33 +125,33 @@ def plot(results: dict, path: str) -> None:
     right.axhline(1.0, color="gray", lw=1)
     right.set(title="speed-up over plain decoding", ylabel="x")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_file(path) as partial:
+        fig.savefig(partial, dpi=100, format="png")
     plt.close(fig)
 
 
-def check_out_dir(out: str) -> None:
-    directory = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(directory):
-        raise UserError(f"out {out}: no directory {directory} to write the results into")
-    if not os.access(directory, os.W_OK):
-        raise UserError(f"out {out}: directory {directory} is not writable")
-
-
 @hydra.main(version_base=None, config_path="../conf", config_name="bench")
+@entry_point
 def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_plain
     from serving.prompts import load_prompts
-    from serving.run import announce_precision, spec_options
+    from serving.run import announce_precision, chat_prompt, check_length, spec_options
 
-    try:
-        check_out_dir(str(cfg.out))  # before the benchmark's minutes, not after
-        target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
-        names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
-        sets = {name: load_prompts(name, cfg.n) for name in names}
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    check(cfg, Bench)
+    names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
+    if not names or not all(isinstance(name, str) for name in names):
+        raise UserError(f"prompts={cfg.prompts}: name one prompt set or file, or a non-empty list of them")
+    out, stem = str(cfg.out), os.path.splitext(str(cfg.out))[0]
+    for path in (out, f"{stem}.png", f"{stem}.yaml"):  # before the benchmark's minutes, not after
+        check_writable(path)
+        check_destination(path, (str(cfg.artifact),))
+    sets = {name: load_prompts(name, cfg.n) for name in names}
+    target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
+    for name, prompts in sets.items():
+        for number, text in enumerate(prompts, 1):
+            check_length(target, chat_prompt(target.tokenizer, text).shape[1], cfg.max_new_tokens,
+                         f"prompt {number} of {name}")
     chosen = announce_precision(cfg)
     generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
     options = spec_options(cfg, target, drafter)
@@ -165,21 +167,18 @@ def main(cfg: DictConfig) -> None:
         "datasets": {},
     }
     for name, prompts in sets.items():
-        try:
-            results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg, options)
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+        results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg, options)
         same = (f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}"
                 if result["identical"] is not None else "sampled (outputs not compared)")
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "
               f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), {same}"
               + (f"; prompt lookup {result['speedup_prompt_lookup']:.2f}x" if "speedup_prompt_lookup" in result else ""))
-    with open(cfg.out, "w") as handle:
+    with atomic_file(out) as partial, open(partial, "w") as handle:
         json.dump(results, handle, indent=1)
-    plot(results, os.path.splitext(cfg.out)[0] + ".png")
-    print(f"wrote {cfg.out} and {os.path.splitext(cfg.out)[0]}.png")
-    OmegaConf.save(cfg, os.path.splitext(cfg.out)[0] + ".yaml")
+    plot(results, f"{stem}.png")
+    with atomic_file(f"{stem}.yaml") as partial:
+        OmegaConf.save(cfg, partial)
+    print(f"wrote {out}, {stem}.png and {stem}.yaml")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def _text(record: dict, field: str, where: str) -> str:
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a prompt line must be a JSON object with a '{field}' field")
     value = record.get(field)
     if isinstance(value, list):  # MT-bench: the first turn
         value = value[0] if value else None
@@ -55,6 +57,9 @@ def load_prompts(name: str, n: int | None = None) -> list[str]:
     records = _read_jsonl(path)[:n] if n else _read_jsonl(path)
     prompts = []
     for number, record in enumerate(records, 1):
-        key = field or next((k for k in ("prompt", "question", "turns") if k in record), "prompt")
+        key = field or next((k for k in ("prompt", "question", "turns") if isinstance(record, dict) and k in record),
+                            "prompt")
         prompts.append(_text(record, key, f"{path}:{number}"))
+    if not prompts:
+        raise UserError(f"prompt set {name}: {path} holds no prompts")
     return prompts

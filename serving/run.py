@@ -9,14 +9,24 @@ import torch
 from omegaconf import DictConfig
 
 from drafters import precision
-from drafters.errors import UserError
+from drafters.errors import UserError, entry_point
 from drafters.precision import Precision
+from drafters.settings import check
+from serving.settings import Serve
 
 
 def chat_prompt(tokenizer, text: str):
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def check_length(target, prompt_tokens: int, max_new_tokens: int, what: str) -> None:
+    """A prompt and its answer must fit in the target's positions (and so in its KV cache)."""
+    positions = target.spec.max_position_embeddings
+    if prompt_tokens + max_new_tokens > positions:
+        raise UserError(f"{what}: {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceed the "
+                        f"{positions} positions of target {target.spec.name}")
 
 
 def announce_precision(cfg: DictConfig) -> Precision:
@@ -43,23 +53,20 @@ def spec_options(cfg: DictConfig, target, drafter) -> dict:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")
+@entry_point
 def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_spec, generate_plain
 
-    try:
-        target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    check(cfg, Serve)
+    if not cfg.prompt.strip():
+        raise UserError("prompt is empty: pass prompt=\"...\"")
+    target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
     announce_precision(cfg)
     ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
+    check_length(target, ids.shape[1], cfg.max_new_tokens, "prompt")
     eos = {target.tokenizer.eos_token_id}
-    try:
-        tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg, target, drafter))
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg, target, drafter))
     print(target.tokenizer.decode(tokens, skip_special_tokens=True))
     print(f"\n[spec] {stats.new_tokens} tokens, {stats.target_forwards} target forwards, "
           f"acceptance length {stats.accept_len:.2f}, {stats.new_tokens / stats.seconds:.1f} tokens/s")

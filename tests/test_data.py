@@ -93,13 +93,28 @@ def test_json_array_records_across_chunks(tmp_path):
     assert report == {}
 
 
-def test_truncated_json_array_stops_cleanly(tmp_path):
+def test_truncated_json_array_stops_cleanly_where_allowed(tmp_path):
+    """The wheel's file is cut off mid-record: its complete records are read, the tail dropped."""
     records = [sharegpt(f"q{i}", f"a{i}") for i in range(4)]
     text = json.dumps(records, indent=2)
     path = tmp_path / "cut.json"
     path.write_text(text[: text.rindex('"a3"')])  # cut inside the last record
-    conversations, stats = load_conversations(str(path))
-    assert len(conversations) == 3 and stats["truncated_tail"]
+    report = {}
+    assert [r for _, r in data._iter_json_array(str(path), report, truncated_tail_ok=True)] == records[:3]
+    assert report["truncated_tail"]
+    with pytest.raises(UserError, match=r"cut.json:\d+: malformed JSON .*never closed"):  # a user's file
+        load_conversations(str(path))
+
+
+def test_a_broken_record_in_an_unclosed_array_names_its_line(tmp_path):
+    """One bad record early and no closing ']': an error at that record, not 20 records dropped."""
+    lines = json.dumps([sharegpt(f"q{i}", f"a{i}") for i in range(22)], indent=0).splitlines()
+    broken = lines.index('"from": "gpt",', 10) + 1  # inside the third record
+    lines[broken - 1] = '"from": "gpt"'  # the comma is missing
+    path = tmp_path / "broken.json"
+    path.write_text("\n".join(lines[:-1]))  # and the closing ] too
+    with pytest.raises(UserError, match=rf"broken.json:{broken + 1}: malformed JSON"):
+        load_conversations(str(path))
 
 
 def test_bundled_sharegpt(caplog):

@@ -187,7 +187,7 @@ def test_bad_input_is_one_line(exported, target, tmp_path):
     refused(edited(path, tmp_path, config=lambda c: c["transformer_layer_config"].update(num_hidden_layers=3)),
             target, name, "missing weights \\['layers.2.input_layernorm.weight', ")
     refused(edited(path, tmp_path, config=lambda c: c.update(block_size=1)), target, name,
-            "drafter.block_size=1.*needs a block of at least 2 slots")
+            f"{name} hyper-parameter block_size=1: must be >= 2")
     refused(edited(path, tmp_path, config=lambda c: c["transformer_layer_config"].update(rope_theta=5e5,
                                                                                          rope_parameters=None)),
             target, name, "draft layer rope_parameters=.*500000.*the target tiny-llama")

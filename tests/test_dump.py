@@ -140,12 +140,13 @@ def test_killed_dump_resumes_without_rewriting_finished_shards(caches, tmp_path)
     assert not hidden_cache.read_index(str(directory))["complete"]
     finished = shard_state(directory)
     assert 2 <= len(finished) < 11
-    (directory / ".train-00006.safetensors.partial").write_bytes(b"half a shard")  # as a kill mid-write leaves
+    # as a kill mid-write leaves (drafters/writes.py names temp files by their writer's pid)
+    (directory / f".train-00006.safetensors.partial-{process.pid}-0123abcd").write_bytes(b"half a shard")
 
     result = dump(compose_train(overrides))
     assert result["skipped"] == len(finished) and result["written"] == 11 - len(finished)
     assert {name: shard_state(directory)[name] for name in finished} == finished, "a finished shard was rewritten"
-    assert not [name for name in os.listdir(directory) if name.endswith(".partial")]
+    assert not [name for name in os.listdir(directory) if ".partial-" in name]
     assert hidden_cache.read_index(str(directory))["complete"]
     assert_same_shards(directory, Path(cfg.data.cache.dir))
 

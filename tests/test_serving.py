@@ -99,7 +99,7 @@ def test_bench_refuses_an_out_it_could_not_write_before_benchmarking(checkpoint,
     result = cli("serving.bench", f"artifact={checkpoint}", f"out={tmp_path / 'no' / 'such' / 'b.json'}", "n=1")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (f"error: out {tmp_path / 'no' / 'such' / 'b.json'}: no directory "
-                                                      f"{tmp_path / 'no' / 'such'} to write the results into")
+                                                      f"{tmp_path / 'no' / 'such'} to write into")
     assert "prompts" not in result.stderr  # no benchmark ran
 
 

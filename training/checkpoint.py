@@ -1,15 +1,18 @@
-"""Atomic training checkpoints: write to a temp dir, fsync, rename; `latest` moves last."""
+"""Atomic training checkpoints (drafters/writes.py): write to a temp dir, fsync, rename; `latest`
+moves last."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
+from safetensors import SafetensorError
 
-from drafters.artifact import STATE_FILE, fsync_tree
 from drafters.errors import UserError
+from drafters.writes import STATE_FILE, commit_directory, fsync_tree, remove_stale_partials, temp_beside
 
 
 def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:
@@ -17,9 +20,12 @@ def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_
     Under DeepSpeed and FSDP, whose own formats are sharded per process, the whole weights are
     also gathered into `model.safetensors`, where resume-free readers (export, serving) look."""
     final = os.path.join(checkpoints_dir, f"step-{step}")
-    partial = os.path.join(checkpoints_dir, f".partial-step-{step}")
+    partial = [temp_beside(final) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(partial)  # every process writes its part into the main process's temp dir
+    partial = partial[0]
     if accelerator.is_main_process:
-        shutil.rmtree(partial, ignore_errors=True)  # left by a run killed mid-write
+        remove_stale_partials(final)  # left by a run killed mid-write
         os.makedirs(partial)
     accelerator.wait_for_everyone()
     accelerator.save_state(partial)
@@ -29,13 +35,12 @@ def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_
         with open(os.path.join(partial, STATE_FILE), "w") as handle:
             json.dump({**state, "step": step}, handle, indent=1)
         fsync_tree(partial)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(partial, final)
-        link = os.path.join(checkpoints_dir, ".latest-tmp")
-        if os.path.lexists(link):
-            os.remove(link)
+        commit_directory(partial, final)  # a step resumed from an earlier checkpoint is replaced whole
+        latest = os.path.join(checkpoints_dir, "latest")
+        remove_stale_partials(latest)
+        link = temp_beside(latest)
         os.symlink(f"step-{step}", link)
-        os.replace(link, os.path.join(checkpoints_dir, "latest"))
+        os.replace(link, latest)
         _prune(checkpoints_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
@@ -49,21 +54,56 @@ def _prune(checkpoints_dir: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(checkpoints_dir, f"step-{step}"))
 
 
-def find(resume: str, checkpoints_dir: str) -> str | None:
-    """The checkpoint to resume from: `no` -> None, `auto` -> latest if any, else a given dir."""
+def find(resume: str, checkpoints_dir: str, max_steps: int) -> str | None:
+    """The checkpoint to resume from: `no` -> None, `auto` -> latest if any, else a given dir. Refused
+    before any work: a run dir whose checkpoints `no` would overwrite, a checkpoint that is not one
+    or is already at `max_steps`."""
     if resume in (None, "no", False):
+        existing = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-")) \
+            if os.path.isdir(checkpoints_dir) else []
+        if existing:
+            raise UserError(f"trainer.resume=no: {checkpoints_dir} already holds checkpoints ({', '.join(existing)}); "
+                            "pass trainer.resume=auto to continue them, or choose another hydra.run.dir")
         return None
     if resume == "auto":
         latest = os.path.join(checkpoints_dir, "latest")
-        return os.path.realpath(latest) if os.path.exists(latest) else None
-    if not os.path.isfile(os.path.join(str(resume), STATE_FILE)):
-        raise UserError(f"trainer.resume: {resume} is not a training checkpoint (no {STATE_FILE})")
-    return str(resume)
+        if not os.path.exists(latest):
+            return None
+        path = os.path.realpath(latest)
+    else:
+        path = str(resume)
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise UserError(f"trainer.resume: {path} is not a training checkpoint (no {STATE_FILE})")
+    step = read_state(path).get("step")
+    if not isinstance(step, int):
+        raise UserError(f"trainer.resume: {os.path.join(path, STATE_FILE)} has no step")
+    if step >= max_steps:
+        raise UserError(f"trainer.resume: {path} is already at step {step} and trainer.max_steps={max_steps}: "
+                        f"nothing left to train (raise trainer.max_steps to train on)")
+    return path
+
+
+def load(accelerator, path: str) -> None:
+    """Model, optimizer, scheduler and RNG states back from `path`, or one line saying which
+    checkpoint is unreadable (a truncated or corrupt file)."""
+    try:
+        accelerator.load_state(path)
+    except (OSError, EOFError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError, SafetensorError) as error:
+        raise UserError(f"cannot resume from {path}: its saved state is unreadable "
+                        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'truncated'})") from None
 
 
 def read_state(path: str) -> dict:
-    with open(os.path.join(path, STATE_FILE)) as handle:
-        return json.load(handle)
+    """A checkpoint's trainer_state.json, or a one-line UserError naming what is wrong with it."""
+    where = os.path.join(path, STATE_FILE)
+    try:
+        with open(where) as handle:
+            state = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"checkpoint {where} is unreadable ({str(error).splitlines()[0]})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint {where} is not a training state (a JSON object)")
+    return state
 
 
 def check_compatible(path: str, state: dict, expected: dict) -> None:

@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drafters.errors import UserError
+from drafters.writes import atomic_file
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +80,15 @@ def _line_of(text: str, pos: int, lines_before: int) -> int:
     return lines_before + text.count("\n", 0, pos) + 1
 
 
-def _iter_json_array(path: str, report: dict, chunk_chars: int = 1 << 20):
+def _iter_json_array(path: str, report: dict, chunk_chars: int = 1 << 20, truncated_tail_ok: bool = False):
     """Yield (line, record) from a JSON array, decoding one record at a time from a streamed
     buffer so a 100+ MB file is neither held in memory nor parsed past what the caller needs.
 
-    A file cut off mid-record (the ShareGPT wheel's is) ends the iteration cleanly and sets
-    ``report["truncated_tail"]``; a bad record inside a properly closed array is an error.
+    With `truncated_tail_ok` (the ShareGPT wheel's file, cut off mid-record by its packager), a
+    record that does not decode in an array that is never closed ends the iteration cleanly and sets
+    ``report["truncated_tail"]``. Anywhere else a record that does not decode is an error naming
+    its line: in a user's file, "cut off" and "broken mid-way" look the same, and dropping every
+    record after it silently would lose data.
     """
     decoder = json.JSONDecoder()
     ws = re.compile(r"\s*")
@@ -124,9 +128,12 @@ def _iter_json_array(path: str, report: dict, chunk_chars: int = 1 << 20):
                         continue
                     # At end of file: a closed array means a genuinely bad record, an open one
                     # means the file was cut off inside this record.
-                    if buf.rstrip().endswith("]"):
+                    closed = buf.rstrip().endswith("]")
+                    if closed or not truncated_tail_ok:
                         line = _line_of(buf, e.pos, lines_before)
-                        raise UserError(f"{path}:{line}: malformed JSON ({e.msg})") from None
+                        cut = "" if closed else (f"; the array is never closed either: if the file was cut off, "
+                                                 f"end it after the record before line {_line_of(buf, pos, lines_before)} with ']'")
+                        raise UserError(f"{path}:{line}: malformed JSON ({e.msg}){cut}") from None
                     break
                 yield _line_of(buf, pos, lines_before), record
                 pos, state = end, "sep"
@@ -145,6 +152,14 @@ def _iter_jsonl(path: str):
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+
+
+def _utf8(records, source: str):
+    """The records, or one line naming a file that is not UTF-8 text (a binary file, say)."""
+    try:
+        yield from records
+    except UnicodeDecodeError as error:
+        raise UserError(f"data {source} is not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def sharegpt_path() -> str:
@@ -176,10 +191,11 @@ def load_conversations(path: str | None, max_samples: int | None = None) -> tupl
         "skipped_bad_turns": 0,
         "truncated_tail": False,
     }
-    records = _iter_jsonl(source) if source.endswith(".jsonl") else _iter_json_array(source, stats)
+    records = _iter_jsonl(source) if source.endswith(".jsonl") else _iter_json_array(source, stats,
+                                                                                    truncated_tail_ok=path is None)
 
     conversations: list[Conversation] = []
-    for lineno, record in records:
+    for lineno, record in _utf8(records, source):
         try:
             turns, prompt_only = _parse_record(record)
         except _FormatError as e:
@@ -201,6 +217,13 @@ def load_conversations(path: str | None, max_samples: int | None = None) -> tupl
         if max_samples is not None and len(conversations) >= max_samples:
             break
     stats["loaded"] = len(conversations)
+    if not conversations:
+        skipped = {"skipped_no_assistant": "without an assistant answer (prompts go in {\"prompt\": ...} lines, "
+                                           "with data.regenerate=true)",
+                   "skipped_bad_turns": "whose turns are not role/text pairs (unknown role, empty or non-text "
+                                        "content)"}
+        reasons = [f"{stats[field]} records {why}" for field, why in skipped.items() if stats[field]]
+        raise UserError(f"data {source}: no usable conversation: " + ("; ".join(reasons) or "the file holds no records"))
     logger.info("loaded %d conversations from %s (%s)", len(conversations), stats["source"], stats)
     return conversations, stats
 
@@ -305,15 +328,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _atomic_write_json(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _read_partial(path: Path, n: int) -> dict[int, str]:
     """Answers saved batch by batch by an interrupted run; a torn last line is ignored."""
     done: dict[int, str] = {}
@@ -371,7 +385,10 @@ def regenerate(
     partial = cache.with_name(cache.stem + ".partial.jsonl")
 
     if cache.exists():
-        answers = dict(enumerate(json.loads(cache.read_text(encoding="utf-8"))["answers"]))
+        try:
+            answers = dict(enumerate(json.loads(cache.read_text(encoding="utf-8"))["answers"]))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+            raise UserError(f"regenerated data {cache} is unreadable ({error}): delete it to regenerate") from None
         logger.info("reusing regenerated data from %s", cache)
     else:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -379,11 +396,10 @@ def regenerate(
         if answers:
             logger.info("resuming regeneration: %d/%d answers already in %s", len(answers), len(prompts), partial)
         _generate(model, tokenizer, prompts, answers, partial, max_new_tokens, batch_size, temperature)
-        _atomic_write_json(
-            cache,
-            {"target_id": target_id, "max_new_tokens": max_new_tokens, "temperature": temperature,
-             "answers": [answers[i] for i in range(len(prompts))]},
-        )
+        with atomic_file(str(cache), key="regenerated data") as partial_file, open(partial_file, "w",
+                                                                                  encoding="utf-8") as handle:
+            json.dump({"target_id": target_id, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                       "answers": [answers[i] for i in range(len(prompts))]}, handle, ensure_ascii=False)
         partial.unlink(missing_ok=True)
         logger.info("regenerated %d answers into %s", len(prompts), cache)
     return [prompt + [{"role": "assistant", "content": answers[i]}] for i, prompt in enumerate(prompts)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
 
 import hydra
@@ -23,26 +22,26 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from drafters import precision
-from drafters.errors import UserError
+from drafters.errors import UserError, entry_point
 from drafters.target import load_target
-from training import distributed, hidden_cache
+from drafters.writes import atomic_file, check_destination, remove_stale_partials
+from training import distributed, hidden_cache, settings
 from training.trainer import build_model, make_batch, prepare_data
 
 log = logging.getLogger("training")
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="train")
+@entry_point
 def main(cfg: DictConfig) -> None:
-    try:
-        dump(cfg)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    settings.check(cfg)
+    dump(cfg)
 
 
 def dump(cfg: DictConfig) -> dict:
     """Write this process's missing shards of `data.cache.dir`; returns how many it wrote and
     skipped, and on the main process the finished cache's stats."""
+    check_destination(str(cfg.data.cache.dir), key="data.cache.dir")  # before the target loads
     device, world = distributed.platform(), distributed.world_size()
     state = PartialState(cpu=device == "cpu", **({"backend": "gloo"} if device == "cpu" and world > 1 else {}))
     target = load_target(cfg.target, state.device)
@@ -88,9 +87,7 @@ def begin(directory: str, expected: dict) -> None:
         hidden_cache.write_index(directory, {**expected, "complete": False})
     else:
         hidden_cache.check_identity(directory, stored, expected)
-    for name in os.listdir(directory):
-        if name.endswith(".partial"):  # left by a writer killed mid-shard
-            os.remove(os.path.join(directory, name))
+    remove_stale_partials(directory, every_name=True)  # shards a killed writer left half-written
 
 
 def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str) -> None:
@@ -115,11 +112,8 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
     tensors = {name: torch.cat(chunks) for name, chunks in parts.items() if chunks}
     for name, counts in lengths.items():
         tensors[f"{name}_offsets"] = torch.tensor([0, *counts]).cumsum(0)
-    partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-    save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices))})
-    with open(partial, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(partial, path)  # complete or absent: what a restart relies on
+    with atomic_file(path, key="data.cache.dir") as partial:  # complete or absent: what a restart relies on
+        save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices))})
 
 
 def finish(directory: str, expected: dict) -> dict:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 
 from drafters.errors import UserError
+from drafters.writes import atomic_file
 
 FORMAT, VERSION = "specdraft-hidden-states", 1
 INDEX = "index.json"
@@ -111,12 +112,8 @@ def read_index(directory: str) -> dict | None:
 
 
 def write_index(directory: str, index: dict) -> None:
-    partial = os.path.join(directory, f".{INDEX}.partial")
-    with open(partial, "w") as handle:
+    with atomic_file(os.path.join(directory, INDEX), key="data.cache.dir") as partial, open(partial, "w") as handle:
         json.dump(index, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, os.path.join(directory, INDEX))
 
 
 def check_identity(directory: str, stored: dict, expected: dict) -> None:

@@ -18,19 +18,20 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import UserError
-from training import distributed
+from drafters.errors import UserError, entry_point
+from training import distributed, settings
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="train")
+@entry_point
 def main(cfg: DictConfig) -> None:
+    settings.check(cfg)
     hydra_cfg = HydraConfig.get()
     plan, command, refused = make_plan(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
     print("launch plan (dry run: nothing started)" if cfg.launch.dry_run else "launch plan")
     print(yaml.safe_dump(plan, sort_keys=False, width=1 << 16), flush=True)
     if refused:
-        print(f"error: {refused}", file=sys.stderr)
-        sys.exit(2)
+        raise UserError(refused)
     if not cfg.launch.dry_run:
         os.execv(command[0], command)
 

@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from drafters.writes import atomic_file  # noqa: E402
+
 
 class MetricsLog:
     def __init__(self, accelerator, run_dir: str):
@@ -30,9 +32,8 @@ class MetricsLog:
         if not self.accelerator.is_main_process:
             return
         kept = [r for r in self.records() if r["step"] <= step]
-        with open(self.path + ".tmp", "w") as handle:
+        with atomic_file(self.path, key="metrics") as partial, open(partial, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(self.path + ".tmp", self.path)
 
     def records(self) -> list[dict]:
         if not os.path.exists(self.path):
@@ -62,7 +63,8 @@ class MetricsLog:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
             fig.tight_layout()
-            fig.savefig(os.path.join(self.plots_dir, name), dpi=100)
+            with atomic_file(os.path.join(self.plots_dir, name), key="plots") as partial:
+                fig.savefig(partial, dpi=100, format="png")
             plt.close(fig)
 
         figure("loss.png", "loss", [("train/loss", "train"), ("eval/loss", "eval")], "weighted TTT loss")

@@ -4,27 +4,25 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import UserError
+from drafters.errors import entry_point
 
 log = logging.getLogger("training")
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="train")
+@entry_point
 def main(cfg: DictConfig) -> None:
+    from training import settings
     from training.trainer import train  # heavy imports after Hydra has parsed the command line
 
+    settings.check(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
-    try:
-        result = train(cfg, run_dir)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    result = train(cfg, run_dir)
     log.info("outputs: %s (metrics.jsonl, plots/, checkpoints/latest)", os.path.abspath(run_dir))
     log.info("final eval/sim_accept_len: %.3f", result["eval/sim_accept_len"])
 

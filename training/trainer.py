@@ -19,6 +19,7 @@ from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
 from drafters.errors import UserError
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
+from drafters.writes import atomic_file
 from training import checkpoint, data, distributed, hidden_cache
 from training.schedule import TimeBudget, make_schedule
 from training.metrics import MetricsLog
@@ -30,6 +31,9 @@ def prepare_data(cfg: DictConfig, target):
     """Conversations -> (optionally regenerated) -> rendered train/eval datasets."""
     conversations, stats = data.load_conversations(cfg.data.path, cfg.data.max_samples)
     log.info("data: %s", json.dumps(stats))
+    if stats["prompt_only"] == stats["loaded"] and not cfg.data.regenerate:
+        raise UserError(f"data.path={cfg.data.path}: holds prompts only, without answers to train on: "
+                        "pass data.regenerate=true to have the target answer them")
     if cfg.data.regenerate:
         conversations = data.regenerate(
             target.model,
@@ -57,7 +61,11 @@ def prepare_data(cfg: DictConfig, target):
     return train_set, eval_set
 
 
-def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str):
+VOCAB_KEY_MEANING = {"tokenizer": "the tokenizer", "data": "the training conversations", "size": "drafter.draft_vocab_size",
+                     "target_vocab": "the target's vocabulary"}
+
+
+def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str, resumed: dict | None):
     streams = list(zip(train_set["input_ids"], train_set["loss_mask"]))
     data_hash = hashlib.sha256(json.dumps(streams).encode()).hexdigest()[:16]
     key = {
@@ -66,20 +74,27 @@ def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str):
         "size": int(cfg.drafter.draft_vocab_size),
         "target_vocab": target.spec.vocab_size,
     }
+    stored = (resumed or {}).get("vocab_source")
+    if stored is not None and stored != json.loads(json.dumps(key)):  # refused before the run's vocab file is rebuilt
+        changed = [f"{VOCAB_KEY_MEANING.get(name, name)} ({stored.get(name)} -> {key.get(name)})"
+                   for name in sorted(stored.keys() | key.keys()) if stored.get(name) != key.get(name)]
+        raise UserError(f"cannot resume from {resumed['path']}: its draft vocabulary was built from other inputs; "
+                        f"changed: {', '.join(changed)}")
     build = lambda: build_draft_vocab(streams, target.spec.vocab_size, int(cfg.drafter.draft_vocab_size), key)  # noqa: E731
     vocab, how = load_or_build(os.path.join(run_dir, "draft_vocab.safetensors"), key, build)
     log.info("draft vocabulary: %s (%d of %d target tokens)", how, vocab.draft_size, vocab.target_size)
     return vocab, key
 
 
-def build_model(cfg: DictConfig, target, train_set, run_dir: str):
-    """The drafter to train, its draft vocabulary and the vocabulary's key."""
+def build_model(cfg: DictConfig, target, train_set, run_dir: str, resumed: dict | None = None):
+    """The drafter to train, its draft vocabulary and the vocabulary's key (`resumed`: the state of
+    the checkpoint this run resumes, whose vocabulary it must rebuild)."""
     if cfg.drafter.get("init_from"):
         # fine-tune a saved drafter: its architecture, draft vocabulary and weights come together
         drafter, vocab, vocab_key = artifact.start_from(cfg.drafter.init_from, cfg.drafter, target)
         log.info("drafter initialized from %s", cfg.drafter.init_from)
     else:
-        vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir)
+        vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir, resumed)
         drafter = build_drafter(cfg.drafter, target, vocab)
     return drafter, vocab, vocab_key
 
@@ -182,11 +197,15 @@ def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
     log.info("precision: %s; %s", what, target.hardware.describe())
     hydra_config = os.path.join(run_dir, ".hydra", "config.yaml")
     if os.path.isfile(hydra_config) and int(os.environ.get("RANK", "0")) == 0:  # one writer: the main process
-        OmegaConf.save(cfg, hydra_config)
+        with atomic_file(hydra_config, key="hydra config") as partial:
+            OmegaConf.save(cfg, partial)
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
 
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
+    checkpoints_dir = os.path.join(run_dir, "checkpoints")
+    resume_from = checkpoint.find(cfg.trainer.resume, checkpoints_dir, cfg.trainer.max_steps)  # before any work
+    resumed = {**checkpoint.read_state(resume_from), "path": resume_from} if resume_from else None
     precisions = settle_precision(cfg, run_dir)
     accelerator = distributed.make_accelerator(cfg, run_dir)
     distributed.agree_on_run_dir(accelerator, run_dir)
@@ -195,9 +214,12 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     set_seed(cfg.seed)
     target = load_target(cfg.target, accelerator.device)
     log.info("target %s: %s", target.spec.name, json.dumps(target.spec.to_dict()))
+    if cfg.data.max_length > target.spec.max_position_embeddings:
+        raise UserError(f"data.max_length={cfg.data.max_length}: must be <= the {target.spec.max_position_embeddings} "
+                        f"positions of target {target.spec.name}")
     with accelerator.main_process_first():  # the main process writes the data and vocab caches, the others read them
         train_set, eval_set = prepare_data(cfg, target)
-        drafter, vocab, vocab_key = build_model(cfg, target, train_set, run_dir)
+        drafter, vocab, vocab_key = build_model(cfg, target, train_set, run_dir, resumed)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
 
@@ -206,7 +228,6 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     drafter, optimizer, schedule = accelerator.prepare(drafter, optimizer, schedule)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
 
-    checkpoints_dir = os.path.join(run_dir, "checkpoints")
     os.makedirs(checkpoints_dir, exist_ok=True)
     identity = {
         "drafter": cfg.drafter.name,
@@ -215,14 +236,15 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         "vocab_key": hashlib.sha256(json.dumps(vocab_key, sort_keys=True).encode()).hexdigest()[:16],
     }
     start_step = 0
-    resume_from = checkpoint.find(cfg.trainer.resume, checkpoints_dir)
     if resume_from:
-        state = checkpoint.read_state(resume_from)
-        checkpoint.check_compatible(resume_from, state, identity)
-        accelerator.load_state(resume_from)
-        start_step = state["step"]
+        checkpoint.check_compatible(resume_from, resumed, identity)
+        checkpoint.load(accelerator, resume_from)
+        start_step = resumed["step"]
         log.info("resumed from %s at step %d", resume_from, start_step)
     budget = TimeBudget(cfg, accelerator, rate, start_step)  # rate.total: the run's length from here on
+    if start_step >= rate.total:  # a time budget settled this run's length below max_steps
+        raise UserError(f"trainer.resume: {resume_from} is at step {start_step}, where this run's time budget "
+                        f"ended it; raise trainer.max_steps above {start_step} to train on")
 
     if cfg.logger.name == "wandb":
         os.environ.setdefault("WANDB_MODE", cfg.logger.mode)
@@ -293,13 +315,11 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             log.info("step %d: eval/sim_accept_len %.3f, eval/acc/1 %.3f (%.1f s)", done, last_eval["eval/sim_accept_len"],
                      last_eval.get("eval/acc/1", math.nan), time.perf_counter() - eval_began)
         if done % cfg.trainer.save_every == 0 or last:
-            state = {**identity, "hparams": hparams, "target_spec": target.spec.to_dict(), "precision": precisions,
+            state = {**identity, "vocab_source": vocab_key, "hparams": hparams, "target_spec": target.spec.to_dict(), "precision": precisions,
                      "data_position": {"step": done, "seed": cfg.seed}, "config": OmegaConf.to_container(cfg, resolve=True)}
             checkpoint.save(accelerator, drafter, checkpoints_dir, done, state, cfg.trainer.keep_last)
         step = done
     progress.close()
-    if not last_eval:  # resumed at max_steps: still report where things stand
-        last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
     metrics_log.plot()
     accelerator.end_training()
     return last_eval

@@ -63,7 +63,11 @@ def check_layer_config(theirs: dict, spec: TargetSpec, where: str, drafter: str 
 def check_layer_math(their_layer: PretrainedConfig, spec: TargetSpec, where: str, drafter: str) -> None:
     """Refuse draft layers (their config, RoPE normalized from either rope_parameters or
     rope_theta/rope_scaling) with a tied lm_head, or a RoPE, activation or norm epsilon other than the
-    target's, which our `drafter`'s layers use."""
+    target's, which our `drafter`'s layers use. A head made for another target is named as such first:
+    its width (and vocabulary) is what differs, whatever else does."""
+    if their_layer.hidden_size != spec.hidden_size:
+        raise UserError(f"{where}: a head of hidden_size={their_layer.hidden_size}, made for another target: the target "
+                        f"{spec.name} has hidden_size={spec.hidden_size} (pass the target it was made for: target=...)")
     if their_layer.tie_word_embeddings:
         raise UserError(f"{where}: tie_word_embeddings=true (lm_head is the embedding); ours has its own lm_head")
     ours = draft_layer_config(spec)

@@ -1,0 +1,163 @@
+"""Typed settings: every config key's type and allowed values, checked once, right after Hydra has
+composed the config and before any model loads, with one line naming the key, the value and what
+is allowed.
+
+A schema is a dataclass whose fields are the keys of one config node: the annotation is the type
+(`int`, `float`, `bool`, `str`, `list[int]`, `dict` for a free-form node, another schema for a
+nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of`
+give the range. Defaults stay in the YAML: a schema only says what is allowed.
+
+    @dataclass
+    class Trainer:
+        batch_size: int = at_least(1)
+        schedule: str = one_of("cosine", "constant")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from drafters.errors import UserError
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """The range of one setting (bounds inclusive unless `open_low`) or its allowed values."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    choices: tuple = ()
+
+    def problem(self, value) -> str | None:
+        if self.choices:
+            return None if value in self.choices else f"must be one of {' | '.join(map(str, self.choices))}"
+        if self.low is not None and (value <= self.low if self.open_low else value < self.low):
+            return f"must be {'>' if self.open_low else '>='} {self.low:g}" + (
+                f" and <= {self.high:g}" if self.high is not None else "")
+        if self.high is not None and value > self.high:
+            return f"must be <= {self.high:g}" + (f" and >= {self.low:g}" if self.low is not None else "")
+        return None
+
+
+def _rule(allowed: Allowed | None = None):
+    return dataclasses.field(default=None, metadata={"allowed": allowed})
+
+
+def at_least(low: float):
+    return _rule(Allowed(low=low))
+
+
+def above(low: float):
+    return _rule(Allowed(low=low, open_low=True))
+
+
+def between(low: float, high: float):
+    return _rule(Allowed(low=low, high=high))
+
+
+def one_of(*choices):
+    return _rule(Allowed(choices=choices))
+
+
+def anything():
+    return _rule()
+
+
+def check(cfg: DictConfig, schema: type, prefix: str = "", present_only: bool = False) -> None:
+    """Raise a UserError naming the first key of `cfg` that `schema` does not allow (`present_only`:
+    keys `cfg` lacks are not checked, as in the hyper-parameters a saved drafter records)."""
+    hints = typing.get_type_hints(schema)
+    for spec in dataclasses.fields(schema):
+        key = f"{prefix}{spec.name}"
+        if present_only and spec.name not in cfg.keys():
+            continue
+        if spec.name in cfg.keys() and OmegaConf.is_missing(cfg, spec.name):  # `???` in the YAML
+            raise UserError(f"{key} is required: pass {key}=...")
+        try:
+            value = cfg.get(spec.name)
+        except OmegaConfBaseException as error:  # an interpolation that does not resolve
+            raise UserError(f"{key}: {str(error).splitlines()[0]}") from None
+        _check_value(key, value, hints[spec.name], spec.metadata.get("allowed"))
+
+
+def _check_value(key: str, value, kind, allowed: Allowed | None) -> None:
+    options = typing.get_args(kind) if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union else ()
+    if options:  # X | None
+        if value is None:
+            return
+        kind = next(option for option in options if option is not type(None))
+    elif value is None:
+        raise UserError(f"{key}=null: {_describe(kind, allowed)} is required")
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, DictConfig):
+            raise UserError(f"{key}={_show(value)}: must be a group of settings ({', '.join(f.name for f in dataclasses.fields(kind))})")
+        check(value, kind, f"{key}.")
+        return
+    if typing.get_origin(kind) is list:
+        if not isinstance(value, ListConfig) or not len(value):
+            raise UserError(f"{key}={_show(value)}: must be a non-empty list, each {_describe(typing.get_args(kind)[0], allowed)}")
+        for index, item in enumerate(value):
+            _check_value(f"{key}[{index}]", item, typing.get_args(kind)[0], allowed)
+        return
+    if not _is(value, kind):
+        raise UserError(f"{key}={_show(value)}: must be {_describe(kind, allowed)}")
+    problem = allowed.problem(value) if allowed else None
+    if problem:
+        raise UserError(f"{key}={_show(value)}: {problem}")
+
+
+def _is(value, kind) -> bool:
+    if kind is dict:
+        return isinstance(value, DictConfig)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe(kind, allowed: Allowed | None) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a group of settings"}
+    what = names.get(kind, getattr(kind, "__name__", str(kind)))
+    if allowed and allowed.choices:
+        return f"one of {' | '.join(map(str, allowed.choices))}"
+    problem = allowed.problem(float("-inf")) if allowed and allowed.low is not None else None
+    return f"{what} {problem.removeprefix('must be ')}" if problem else what
+
+
+def _show(value) -> str:
+    if isinstance(value, (DictConfig, ListConfig)):
+        return str(OmegaConf.to_container(value))
+    return "null" if value is None else str(value)
+
+
+PRECISIONS = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+
+
+@dataclass
+class Target:
+    """conf/target/*.yaml: a hub id or HF dir (`path`), or a GGUF file inside a wheel (`package`)."""
+
+    name: str = anything()
+    path: str | None = anything()
+    package: str | None = anything()
+    gguf_file: str | None = anything()
+    dtype: str = one_of(*PRECISIONS)
+    draft_vocab_size: int = at_least(1)
+    random_init: dict | None = anything()  # tests: a random-weight model of this HF config
+
+
+@dataclass
+class Drafter:
+    """What every conf/drafter/*.yaml has; each drafter's own keys: its class's `Settings`."""
+
+    name: str = anything()
+    draft_vocab_size: int = at_least(1)
+    init_from: str | None = anything()

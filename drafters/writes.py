@@ -1,0 +1,186 @@
+"""Guarded writes: the one way this project puts anything on disk that a later run reads.
+
+Every writer (artifacts, checkpoints, caches, vocabularies, benchmark results, dumps) goes through
+`atomic_file` or `atomic_directory`:
+- the destination is checked first (`check_destination`): symlinks followed, it must not be,
+  contain or lie inside what the command reads, or any training checkpoint;
+- it is written under a unique temp name beside it (pid + random), fsynced, then renamed into
+  place: a reader sees the old file or the new one, never half of one;
+- temp files an earlier, killed process left beside it are removed (their pid is gone).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from contextlib import contextmanager
+
+from drafters.errors import UserError
+
+STATE_FILE = "trainer_state.json"  # what marks a directory as a training checkpoint
+PARTIAL, OLD = ".partial-", ".old-"  # temp names: what is being written, what it replaces
+
+
+def _within(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
+
+
+def check_destination(out: str, protect: tuple[str, ...] = (), key: str = "out") -> None:
+    """Refuse, before any work, a destination `out` (the setting `key`) that, symlinks followed, is,
+    contains or lies inside one of the `protect`ed paths (what the command reads) or any training
+    checkpoint."""
+    real = os.path.realpath(out)
+    for path in protect:
+        source = os.path.realpath(path)
+        if _within(real, source) or _within(source, real):
+            raise UserError(f"{key} {out} would overwrite {path}" + (f" (both are {source})" if real == source else ""))
+    probe = real
+    while True:  # out is, or lies inside, a training checkpoint
+        if os.path.isfile(os.path.join(probe, STATE_FILE)):
+            raise UserError(f"{key} {out} would overwrite the training checkpoint {probe}")
+        if os.path.dirname(probe) == probe:
+            break
+        probe = os.path.dirname(probe)
+    if os.path.isdir(real):  # out holds a run's checkpoints (run dir or its checkpoints/)
+        for inner in (real, os.path.join(real, "checkpoints")):
+            if os.path.isdir(inner) and any(os.path.isfile(os.path.join(inner, entry, STATE_FILE))
+                                            for entry in os.listdir(inner)):
+                raise UserError(f"{key} {out} would overwrite the training checkpoints in {inner}")
+
+
+def check_writable(out: str, key: str = "out") -> None:
+    """Refuse, before any work, a file destination whose directory is missing or not writable."""
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise UserError(f"{key} {out}: no directory {directory} to write into")
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"{key} {out}: directory {directory} is not writable")
+    if os.path.isdir(out):
+        raise UserError(f"{key} {out} is a directory, not a file")
+
+
+def temp_beside(path: str, kind: str = PARTIAL) -> str:
+    """A name no other process uses, beside `path`, hidden, marked with its `kind`."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{kind}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+TEMP_NAME = re.compile(r"\.(?P<name>.+)(?P<kind>\.partial-|\.old-)(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def remove_stale_partials(path: str, every_name: bool = False) -> None:
+    """Clean up beside `path` (`every_name`: in the directory `path`, for every file) after killed
+    processes; a live process's temp names are left alone. What they were writing is deleted; if
+    one died between moving the old file aside and renaming the new one in, the old one is put back."""
+    parent, wanted = (path, None) if every_name else os.path.split(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return
+    for entry in sorted(os.listdir(parent)):
+        found = TEMP_NAME.fullmatch(entry)
+        if not found or wanted not in (None, found["name"]) or _alive(int(found["pid"])):
+            continue
+        stale, original = os.path.join(parent, entry), os.path.join(parent, found["name"])
+        if found["kind"] == OLD and not os.path.lexists(original):
+            os.replace(stale, original)
+        elif os.path.isdir(stale) and not os.path.islink(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.remove(stale)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def fsync_tree(path: str) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_parent(path: str) -> None:
+    descriptor = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextmanager
+def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
+    """Yield a temp path beside `path` to write the whole file to; it replaces `path` once the body
+    succeeded (fsynced first), and is removed if it failed."""
+    check_destination(path, protect, key)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    remove_stale_partials(path)
+    partial = temp_beside(path)
+    try:
+        yield partial
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+        _fsync_parent(path)
+    finally:
+        if os.path.lexists(partial):
+            os.remove(partial)
+
+
+@contextmanager
+def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out"):
+    """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
+
+    An existing `out` is refused, or with `overwrite` replaced only after the new one is complete
+    (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
+    removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
+    """
+    check_destination(out, protect, key)
+    out = os.path.abspath(out)
+    if os.path.lexists(out) and not overwrite:
+        raise UserError(f"{key} {out} already exists (remove it, or pass overwrite=true to replace it "
+                        "once the new one is completely written)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    remove_stale_partials(out)
+    partial = temp_beside(out)
+    os.mkdir(partial)
+    try:
+        yield partial
+        fsync_tree(partial)
+        commit_directory(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def commit_directory(partial: str, out: str) -> None:
+    """Rename the complete dir `partial` to `out`, replacing an existing `out` only once the new
+    one is in place (old moved aside under a temp name, deleted last)."""
+    if os.path.lexists(out) and not os.path.isdir(out) or os.path.islink(out):
+        raise UserError(f"out {out} is a file or a link, not a directory it can replace")
+    if os.path.lexists(out):
+        old = temp_beside(out, OLD)
+        os.replace(out, old)
+        try:
+            os.replace(partial, out)
+        except OSError:
+            os.replace(old, out)  # put the old one back
+            raise
+        shutil.rmtree(old)
+    else:
+        os.replace(partial, out)
+    _fsync_parent(out)

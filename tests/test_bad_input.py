@@ -1,0 +1,272 @@
+"""The error contract (README "When something is wrong"), one bad input at a time, across every
+entry point: exit code 2, exactly one `error:` line naming the culprit, no traceback, and every
+file that existed before (a trained run, its checkpoints, an artifact) byte-identical afterwards.
+
+The commands run in this process, through their real `hydra.main` (the same code path as
+`python -m ...`, without an interpreter start per case); a few cases in test_serving.py and
+test_export.py run them as subprocesses. Then: processes SIGKILLed while writing an artifact or a
+checkpoint leave the previous one loadable and `trainer.resume=auto` working.
+"""
+
+import hashlib
+import importlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from drafters.artifact import read
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["target=tiny_llama", "logger=none", "data.max_samples=40", "data.max_length=128", "trainer.batch_size=2",
+        "trainer.eval_max_samples=4", "trainer.max_minutes=null"]
+# Hydra records every invocation of a run dir in .hydra/ and appends to run.log: not the run's data
+HYDRA_RECORDS = (".hydra", "run.log")
+
+
+def train_cli(run_dir, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "training.run", *TINY, f"hydra.run.dir={run_dir}", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A trained run (checkpoints at steps 2 and 4), a native artifact, and user files."""
+    root = tmp_path_factory.mktemp("world")
+    run = root / "run"
+    result = train_cli(run, "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    for out, *args in (("artifact",), ("speculators", "format=speculators", "verifier=tiny-llama")):
+        result = subprocess.run([sys.executable, "-m", "export.run", f"checkpoint={run / 'checkpoints' / 'latest'}",
+                                 f"out={root / out}", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    files = root / "files"
+    files.mkdir()
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    (files / "empty.jsonl").write_text("")
+    (files / "no_answer.jsonl").write_text("\n".join(json.dumps({"messages": chat[:1]}) for _ in range(5)))
+    (files / "types.jsonl").write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": 5},
+                                                                          {"role": "assistant", "content": ["x"]}]})
+                                                 for _ in range(5)))
+    (files / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Question {i}?"}) for i in range(5)))
+    (files / "bad_line.jsonl").write_text(json.dumps({"messages": chat}) + "\n{not json\n")
+    records = json.dumps([{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+                          for i in range(22)], indent=0).splitlines()
+    records[12] = records[12].rstrip(",")  # a missing comma in the third record...
+    (files / "broken.json").write_text("\n".join(records[:-1]))  # ...and no closing ]
+    (files / "not_a_prompt.jsonl").write_text("[1, 2]\n")
+    broken = root / "broken_checkpoint"
+    shutil.copytree(run / "checkpoints" / "step-4", broken)
+    (broken / "trainer_state.json").write_text('{"step": 4, "drafter"')
+    for name in ("model.safetensors", "optimizer.bin"):  # a checkpoint with one file cut short
+        cut = root / f"cut_{name.split('.')[0]}"
+        shutil.copytree(run / "checkpoints" / "step-4", cut)
+        (cut / name).write_bytes((cut / name).read_bytes()[:200])
+    garbage = root / "garbage_weights"
+    shutil.copytree(root / "artifact", garbage)
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 100)
+    return root
+
+
+def snapshot(root) -> dict[str, str]:
+    """Every file under `root` (links as their targets' names) -> its sha256, Hydra's records aside."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in HYDRA_RECORDS]
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(directory, d))]:
+            path = os.path.join(directory, name)
+            if name in HYDRA_RECORDS:
+                continue
+            relative = os.path.relpath(path, root)
+            if os.path.islink(path):
+                found[relative] = "-> " + os.readlink(path)
+            else:
+                with open(path, "rb") as handle:
+                    found[relative] = hashlib.sha256(handle.read()).hexdigest()
+    return found
+
+
+def run_in_process(module: str, args: list[str], capsys) -> tuple[int, str]:
+    """`python -m <module> <args>` in this process: (exit code, stderr + stdout)."""
+    main = importlib.import_module(module).main
+    argv = sys.argv
+    sys.argv = [module, *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        sys.argv = argv
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+# (id, module, arguments with {root}/{run}/{tmp} placeholders, what the error line must say)
+CASES = [
+    # training: numeric settings, enums, cross-key checks
+    ("max_steps_zero", "training.run", ["trainer.max_steps=0"], "trainer.max_steps=0: must be >= 1"),
+    ("max_steps_negative", "training.run", ["trainer.max_steps=-3"], "trainer.max_steps=-3: must be >= 1"),
+    ("batch_size_zero", "training.run", ["trainer.batch_size=0"], "trainer.batch_size=0: must be >= 1"),
+    ("grad_accum_zero", "training.run", ["trainer.grad_accum=0"], "trainer.grad_accum=0: must be >= 1"),
+    ("eval_every_zero", "training.run", ["trainer.eval_every=0"], "trainer.eval_every=0: must be >= 1"),
+    ("save_every_negative", "training.run", ["trainer.save_every=-1"], "trainer.save_every=-1: must be >= 1"),
+    ("lr_negative", "training.run", ["trainer.lr=-1"], "trainer.lr=-1: must be >= 0"),
+    ("lr_not_a_number", "training.run", ["trainer.lr=fast"], "trainer.lr=fast: must be a number >= 0"),
+    ("schedule_unknown", "training.run", ["trainer.schedule=foo"], "trainer.schedule=foo: must be one of cosine | constant"),
+    ("precision_unknown", "training.run", ["trainer.precision=fp8"], "trainer.precision=fp8: must be one of auto"),
+    ("max_minutes_zero", "training.run", ["trainer.max_minutes=0"], "trainer.max_minutes=0: must be > 0"),
+    ("min_lr_ratio_above_one", "training.run", ["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2: must be <= 1"),
+    ("grad_clip_zero", "training.run", ["trainer.grad_clip=0"], "trainer.grad_clip=0: must be > 0"),
+    ("max_length_zero", "training.run", ["data.max_length=0"], "data.max_length=0: must be >= 2"),
+    ("eval_fraction_two", "training.run", ["data.eval_fraction=2"], "data.eval_fraction=2: must be <= 1"),
+    ("hidden_states_unknown", "training.run", ["data.hidden_states=sometimes"], "data.hidden_states=sometimes: must be one of online | offline"),
+    ("cache_dtype_unknown", "training.run", ["data.cache.dtype=int4"], "data.cache.dtype=int4: must be one of bf16 | fp8"),
+    ("regen_batch_zero", "training.run", ["data.regen.batch_size=0"], "data.regen.batch_size=0: must be >= 1"),
+    ("max_samples_zero", "training.run", ["data.max_samples=0"], "data.max_samples=0: must be >= 1"),
+    ("ttt_steps_zero", "training.run", ["drafter.ttt_steps=0"], "drafter.ttt_steps=0: must be >= 1"),
+    ("aux_layers_empty", "training.run", ["drafter.aux_layers=[]"], "drafter.aux_layers=[]: must be a non-empty list"),
+    ("aux_layers_negative", "training.run", ["drafter.aux_layers=[1,-2]"], "drafter.aux_layers[1]=-2: must be >= 0"),
+    ("dflash_block_of_one", "training.run", ["drafter=dflash", "drafter.block_size=1"], "drafter.block_size=1: must be >= 2"),
+    ("medusa_no_heads", "training.run", ["drafter=medusa", "drafter.num_heads=0"], "drafter.num_heads=0: must be >= 1"),
+    ("flag_not_boolean", "training.run", ["drafter.init_head_from_target=3"], "drafter.init_head_from_target=3: must be true or false"),
+    ("target_dtype_unknown", "training.run", ["target.dtype=half"], "target.dtype=half: must be one of auto"),
+    ("logger_mode_unknown", "training.run", ["logger=wandb", "logger.mode=sometimes"], "logger.mode=sometimes: must be one of"),
+    ("aux_layer_beyond_target", "training.run", ["drafter.aux_layers=[1,2,99]"], "99"),
+    # training: runs and checkpoints
+    ("resume_not_a_checkpoint", "training.run", ["trainer.resume={tmp}"], "is not a training checkpoint"),
+    ("resume_no_over_checkpoints", "training.run", ["hydra.run.dir={run}", "trainer.max_steps=8"], "already holds checkpoints (step-2, step-4)"),
+    ("resume_past_max_steps", "training.run", ["hydra.run.dir={run}", "trainer.resume=auto", "trainer.max_steps=4"], "already at step 4 and trainer.max_steps=4"),
+    ("resume_corrupt_state", "training.run", ["trainer.resume={root}/broken_checkpoint", "trainer.max_steps=8"], "broken_checkpoint/trainer_state.json is unreadable"),
+    ("resume_cut_weights", "training.run", ["trainer.resume={root}/cut_model", "trainer.max_steps=8"], "cannot resume from"),
+    ("resume_cut_optimizer", "training.run", ["trainer.resume={root}/cut_optimizer", "trainer.max_steps=8"], "cut_optimizer: its saved state is unreadable"),
+    ("max_length_past_positions", "training.run", ["data.max_length=4096"], "data.max_length=4096: must be <= the 2048 positions"),
+    ("resume_other_vocabulary", "training.run", ["hydra.run.dir={run}", "trainer.resume=auto", "trainer.max_steps=8", "data.max_samples=30"], "draft vocabulary was built from other inputs; changed: the training conversations"),
+    # training: data files
+    ("data_missing", "training.run", ["data.path={tmp}/none.jsonl"], "data file not found"),
+    ("data_empty", "training.run", ["data.path={root}/files/empty.jsonl"], "the file holds no records"),
+    ("data_no_answers", "training.run", ["data.path={root}/files/no_answer.jsonl"], "5 records without an assistant answer"),
+    ("data_wrong_types", "training.run", ["data.path={root}/files/types.jsonl"], "5 records whose turns are not role/text pairs"),
+    ("data_prompts_only", "training.run", ["data.path={root}/files/prompts.jsonl"], "pass data.regenerate=true"),
+    ("data_malformed_line", "training.run", ["data.path={root}/files/bad_line.jsonl"], "bad_line.jsonl:2: malformed JSON"),
+    ("data_broken_unclosed_array", "training.run", ["data.path={root}/files/broken.json"], "broken.json:14: malformed JSON"),
+    # launch and dump
+    ("launch_zero_processes", "training.launch", ["launch.processes_per_node=0", "launch.dry_run=true"], "launch.processes_per_node=0: must be >= 1"),
+    ("launch_negative_nodes", "training.launch", ["launch.nodes=-1", "launch.dry_run=true"], "launch.nodes=-1: must be >= 1"),
+    ("launch_rank_past_nodes", "training.launch", ["launch.node_rank=2", "launch.dry_run=true"], "launch.node_rank=2: must be below launch.nodes=1"),
+    ("launch_unknown_module", "training.launch", ["launch.module=training.eval", "launch.dry_run=true"], "launch.module=training.eval: must be one of"),
+    ("dump_into_a_checkpoint", "training.dump", ["data.cache.dir={run}/checkpoints/latest/cache"], "would overwrite the training checkpoint"),
+    # serving
+    ("serve_no_artifact", "serving.run", [], "artifact is required: pass artifact=..."),
+    ("serve_steps_zero", "serving.run", ["artifact={root}/artifact", "steps=0"], "steps=0: must be >= 1"),
+    ("serve_draft_unknown", "serving.run", ["artifact={root}/artifact", "draft=bush"], "draft=bush: must be one of chain | tree"),
+    ("serve_topk_zero", "serving.run", ["artifact={root}/artifact", "draft=tree", "topk=0"], "topk=0: must be >= 1"),
+    ("serve_temperature_negative", "serving.run", ["artifact={root}/artifact", "temperature=-1"], "temperature=-1: must be >= 0"),
+    ("serve_top_p_above_one", "serving.run", ["artifact={root}/artifact", "top_p=1.5"], "top_p=1.5: must be <= 1"),
+    ("serve_no_new_tokens", "serving.run", ["artifact={root}/artifact", "max_new_tokens=0"], "max_new_tokens=0: must be >= 1"),
+    ("serve_dtype_unknown", "serving.run", ["artifact={root}/artifact", "dtype=int8"], "dtype=int8: must be one of"),
+    ("serve_past_positions", "serving.run", ["artifact={root}/artifact", "max_new_tokens=5000"], "exceed the 2048 positions of target tiny-llama"),
+    ("serve_garbage_weights", "serving.run", ["artifact={root}/garbage_weights"], "garbage_weights is unreadable"),
+    ("serve_artifact_missing", "serving.run", ["artifact={tmp}/nope"], "artifact not found"),
+    ("bench_n_zero", "serving.bench", ["artifact={root}/artifact", "n=0", "out={tmp}/b.json"], "n=0: must be >= 1"),
+    ("bench_no_prompt_sets", "serving.bench", ["artifact={root}/artifact", "prompts=[]", "out={tmp}/b.json"], "prompts=[]: name one prompt set"),
+    ("bench_unknown_set", "serving.bench", ["artifact={root}/artifact", "prompts=nosuch", "out={tmp}/b.json"], "prompt set not found: 'nosuch'"),
+    ("bench_empty_prompt_file", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/empty.jsonl", "out={tmp}/b.json"], "holds no prompts"),
+    ("bench_prompt_not_an_object", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/not_a_prompt.jsonl", "out={tmp}/b.json"], "not_a_prompt.jsonl:1: a prompt line must be a JSON object"),
+    ("bench_out_in_missing_dir", "serving.bench", ["artifact={root}/artifact", "out={tmp}/no/such/b.json"], "no directory"),
+    ("bench_out_inside_checkpoint", "serving.bench", ["artifact={root}/artifact", "out={run}/checkpoints/step-2/b.json"], "would overwrite the training checkpoint"),
+    ("bench_out_over_artifact", "serving.bench", ["artifact={root}/artifact", "out={root}/artifact/config.json"], "would overwrite"),
+    # export: the four data-loss cases of issue 13, then more
+    ("export_into_checkpoint_through_latest", "export.run", ["checkpoint={run}/checkpoints/latest", "out={run}/checkpoints/step-2", "overwrite=true"], "would overwrite the training checkpoint"),
+    ("export_verifier_over_checkpoint", "export.run", ["checkpoint={run}/checkpoints/step-2", "format=speculators", "out={tmp}/x", "verifier_out={run}/checkpoints/step-2", "overwrite=true"], "verifier_out"),
+    ("export_over_latest", "export.run", ["checkpoint={run}/checkpoints/step-2", "out={run}/checkpoints/latest", "overwrite=true"], "would overwrite"),
+    ("export_over_run_dir", "export.run", ["checkpoint={root}/artifact", "out={run}", "overwrite=true"], "would overwrite the training checkpoints"),
+    ("export_over_existing", "export.run", ["checkpoint={run}/checkpoints/latest", "out={root}/files"], "already exists"),
+    ("import_onto_another_target", "export.run", ["checkpoint={root}/speculators", "out={tmp}/x", "target=tiny_llama",
+                                                  "target.random_init.hidden_size=128", "target.random_init.head_dim=32"],
+     "a head of hidden_size=64, made for another target: the target tiny-llama has hidden_size=128"),
+    ("export_format_unknown", "export.run", ["checkpoint={run}/checkpoints/latest", "format=onnx", "out={tmp}/x"], "onnx"),
+    ("export_steps_zero", "export.run", ["checkpoint={run}/checkpoints/latest", "out={tmp}/x", "steps=0"], "steps=0: must be >= 1"),
+    ("export_no_checkpoint", "export.run", ["out={tmp}/x"], "checkpoint is required"),
+    ("export_checkpoint_missing", "export.run", ["checkpoint={tmp}/nope", "out={tmp}/x"], "checkpoint not found"),
+    ("export_corrupt_state", "export.run", ["checkpoint={root}/broken_checkpoint", "out={tmp}/x"], "is unreadable"),
+]
+
+
+@pytest.mark.parametrize("module,args,expected", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_is_one_line_and_touches_nothing(world, tmp_path, capsys, module, args, expected):
+    before = snapshot(world)
+    fresh_run = [] if any(a.startswith("hydra.run.dir") for a in args) or module not in (
+        "training.run", "training.dump", "training.launch", "serving.run") else [f"hydra.run.dir={tmp_path / 'out'}"]
+    tiny = TINY if module.startswith("training.") else []
+    filled = [a.format(root=world, run=world / "run", tmp=tmp_path) for a in args]
+    code, output = run_in_process(module, [*tiny, *fresh_run, *filled], capsys)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert len(errors) == 1, output[-3000:]
+    assert expected in errors[0], errors[0]
+    assert snapshot(world) == before, "a bad input changed existing files"
+
+
+def test_cases_cover_every_entry_point_and_class():
+    assert len(CASES) >= 40
+    assert {case[1] for case in CASES} == {"training.run", "training.launch", "training.dump", "serving.run",
+                                           "serving.bench", "export.run"}
+
+
+def kill_after(command: list[str], seconds: float, watch: str) -> None:
+    """Start `command`; SIGKILL it `seconds` after `watch` appeared (or once it exits by itself)."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    began = None
+    while process.poll() is None:
+        if began is None and os.path.lexists(watch):
+            began = time.monotonic()
+        if began is not None and time.monotonic() - began >= seconds:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    process.wait()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkill_during_export_keeps_the_previous_artifact(world, tmp_path, seed):
+    out = tmp_path / "artifact"
+    shutil.copytree(world / "artifact", out)
+    before = snapshot(out)
+    delay = random.Random(seed).uniform(0.0, 4.0)  # from start-up to past the rename
+    kill_after([sys.executable, "-m", "export.run", f"checkpoint={world / 'run' / 'checkpoints' / 'step-2'}",
+                f"out={out}", "overwrite=true"], delay, str(out))
+    read(str(out)).build(str(out))  # the old artifact or the new one, whole
+    assert snapshot(out) == before or read(str(out)).hparams == read(str(world / "run" / "checkpoints" / "step-2")).hparams
+    result = subprocess.run([sys.executable, "-m", "export.run", f"checkpoint={world / 'artifact'}", f"out={out}",
+                             "overwrite=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["artifact"], "a killed export's temp dir was not cleaned up"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sigkill_during_training_keeps_a_checkpoint_resume_can_use(world, tmp_path, seed):
+    run = tmp_path / "run"
+    shutil.copytree(world / "run", run, symlinks=True)
+    # kill while later checkpoints are being written (every step saves one)
+    delay = random.Random(seed).uniform(0.5, 3.0)
+    kill_after([sys.executable, "-m", "training.run", *TINY, f"hydra.run.dir={run}", "trainer.resume=auto",
+                "trainer.max_steps=40", "trainer.save_every=1", "trainer.eval_every=100"], delay,
+               str(run / "checkpoints" / "step-5"))
+    latest = os.path.realpath(run / "checkpoints" / "latest")
+    read(latest).build(latest)  # latest is whole
+    step = int(os.path.basename(latest).split("-")[1])
+    assert step < 40, "the run finished before it could be killed"
+    result = train_cli(run, "trainer.resume=auto", f"trainer.max_steps={step + 2}", "trainer.save_every=100")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"resumed from {latest}" in result.stdout + result.stderr
+    leftovers = [name for name in os.listdir(run / "checkpoints") if ".partial-" in name or ".old-" in name]
+    assert not leftovers, leftovers
