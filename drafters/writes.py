@@ -36,18 +36,26 @@ def check_destination(out: str, protect: tuple[str, ...] = (), key: str = "out")
         source = os.path.realpath(path)
         if _within(real, source) or _within(source, real):
             raise UserError(f"{key} {out} would overwrite {path}" + (f" (both are {source})" if real == source else ""))
-    probe = real
-    while True:  # out is, or lies inside, a training checkpoint
+    check_not_in_checkpoint(out, key)
+    for inner in (real, os.path.join(real, "checkpoints")):  # out holds a run's checkpoints (run dir or its checkpoints/)
+        if holds_checkpoints(inner):
+            raise UserError(f"{key} {out} would overwrite the training checkpoints in {inner}")
+
+
+def holds_checkpoints(directory: str) -> bool:
+    return os.path.isdir(directory) and any(os.path.isfile(os.path.join(directory, entry, STATE_FILE))
+                                            for entry in os.listdir(directory))
+
+
+def check_not_in_checkpoint(path: str, key: str) -> None:
+    """Refuse a `path` that, symlinks followed, is or lies inside a training checkpoint."""
+    probe = os.path.realpath(path)
+    while True:
         if os.path.isfile(os.path.join(probe, STATE_FILE)):
-            raise UserError(f"{key} {out} would overwrite the training checkpoint {probe}")
+            raise UserError(f"{key} {path} would overwrite the training checkpoint {probe}")
         if os.path.dirname(probe) == probe:
             break
         probe = os.path.dirname(probe)
-    if os.path.isdir(real):  # out holds a run's checkpoints (run dir or its checkpoints/)
-        for inner in (real, os.path.join(real, "checkpoints")):
-            if os.path.isdir(inner) and any(os.path.isfile(os.path.join(inner, entry, STATE_FILE))
-                                            for entry in os.listdir(inner)):
-                raise UserError(f"{key} {out} would overwrite the training checkpoints in {inner}")
 
 
 def check_writable(out: str, key: str = "out") -> None:
@@ -154,6 +162,8 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
     if os.path.lexists(out) and not overwrite:
         raise UserError(f"{key} {out} already exists (remove it, or pass overwrite=true to replace it "
                         "once the new one is completely written)")
+    if os.path.islink(out) or os.path.lexists(out) and not os.path.isdir(out):
+        raise UserError(f"{key} {out} is a file or a link, not a directory it can replace")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     remove_stale_partials(out)
     partial = temp_beside(out)
@@ -170,8 +180,6 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
 def commit_directory(partial: str, out: str) -> None:
     """Rename the complete dir `partial` to `out`, replacing an existing `out` only once the new
     one is in place (old moved aside under a temp name, deleted last)."""
-    if os.path.lexists(out) and not os.path.isdir(out) or os.path.islink(out):
-        raise UserError(f"out {out} is a file or a link, not a directory it can replace")
     if os.path.lexists(out):
         old = temp_beside(out, OLD)
         os.replace(out, old)

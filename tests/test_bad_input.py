@@ -8,6 +8,7 @@ test_export.py run them as subprocesses. Then: processes SIGKILLed while writing
 checkpoint leave the previous one loadable and `trainer.resume=auto` working.
 """
 
+import glob
 import hashlib
 import importlib
 import json
@@ -142,6 +143,8 @@ CASES = [
     # training: runs and checkpoints
     ("resume_not_a_checkpoint", "training.run", ["trainer.resume={tmp}"], "is not a training checkpoint"),
     ("resume_no_over_checkpoints", "training.run", ["hydra.run.dir={run}", "trainer.max_steps=8"], "already holds checkpoints (step-2, step-4)"),
+    ("run_dir_inside_a_checkpoint", "training.run", ["hydra.run.dir={run}/checkpoints/latest"], "hydra.run.dir {run}/checkpoints/latest would overwrite the training checkpoint"),
+    ("run_dir_is_checkpoints_dir", "training.run", ["hydra.run.dir={run}/checkpoints"], "is another run's checkpoints/ dir"),
     ("resume_past_max_steps", "training.run", ["hydra.run.dir={run}", "trainer.resume=auto", "trainer.max_steps=4"], "already at step 4 and trainer.max_steps=4"),
     ("resume_corrupt_state", "training.run", ["trainer.resume={root}/broken_checkpoint", "trainer.max_steps=8"], "broken_checkpoint/trainer_state.json is unreadable"),
     ("resume_cut_weights", "training.run", ["trainer.resume={root}/cut_model", "trainer.max_steps=8"], "cannot resume from"),
@@ -205,13 +208,13 @@ def test_bad_input_is_one_line_and_touches_nothing(world, tmp_path, capsys, modu
     fresh_run = [] if any(a.startswith("hydra.run.dir") for a in args) or module not in (
         "training.run", "training.dump", "training.launch", "serving.run") else [f"hydra.run.dir={tmp_path / 'out'}"]
     tiny = TINY if module.startswith("training.") else []
-    filled = [a.format(root=world, run=world / "run", tmp=tmp_path) for a in args]
-    code, output = run_in_process(module, [*tiny, *fresh_run, *filled], capsys)
+    fill = dict(root=world, run=world / "run", tmp=tmp_path)
+    code, output = run_in_process(module, [*tiny, *fresh_run, *(a.format(**fill) for a in args)], capsys)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert code == 2, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert len(errors) == 1, output[-3000:]
-    assert expected in errors[0], errors[0]
+    assert expected.format(**fill) in errors[0], errors[0]
     assert snapshot(world) == before, "a bad input changed existing files"
 
 
@@ -221,19 +224,20 @@ def test_cases_cover_every_entry_point_and_class():
                                            "serving.bench", "export.run"}
 
 
-def kill_after(command: list[str], seconds: float, watch: str) -> None:
-    """Start `command`; SIGKILL it `seconds` after `watch` appeared (or once it exits by itself)."""
+def kill_while_writing(command: list[str], seconds: float, writing: str) -> bool:
+    """Start `command`; SIGKILL it `seconds` after a path matching the glob `writing` (its temp
+    name while it writes) appeared. Returns whether it was killed (not finished first)."""
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     began = None
     while process.poll() is None:
-        if began is None and os.path.lexists(watch):
+        if began is None and glob.glob(writing):
             began = time.monotonic()
         if began is not None and time.monotonic() - began >= seconds:
             process.send_signal(signal.SIGKILL)
             break
-        time.sleep(0.01)
-    process.wait()
+        time.sleep(0.002)
+    return process.wait() == -signal.SIGKILL
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -241,10 +245,11 @@ def test_sigkill_during_export_keeps_the_previous_artifact(world, tmp_path, seed
     out = tmp_path / "artifact"
     shutil.copytree(world / "artifact", out)
     before = snapshot(out)
-    delay = random.Random(seed).uniform(0.0, 4.0)  # from start-up to past the rename
-    kill_after([sys.executable, "-m", "export.run", f"checkpoint={world / 'run' / 'checkpoints' / 'step-2'}",
-                f"out={out}", "overwrite=true"], delay, str(out))
+    delay = random.Random(seed).uniform(0.0, 0.05)  # while the new artifact is being written or renamed
+    killed = kill_while_writing([sys.executable, "-m", "export.run", f"out={out}", "overwrite=true",
+                                 f"checkpoint={world / 'run' / 'checkpoints' / 'step-2'}"], delay, str(tmp_path / ".artifact.*"))
     read(str(out)).build(str(out))  # the old artifact or the new one, whole
+    assert killed or snapshot(out) != before
     assert snapshot(out) == before or read(str(out)).hparams == read(str(world / "run" / "checkpoints" / "step-2")).hparams
     result = subprocess.run([sys.executable, "-m", "export.run", f"checkpoint={world / 'artifact'}", f"out={out}",
                              "overwrite=true"], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -256,11 +261,11 @@ def test_sigkill_during_export_keeps_the_previous_artifact(world, tmp_path, seed
 def test_sigkill_during_training_keeps_a_checkpoint_resume_can_use(world, tmp_path, seed):
     run = tmp_path / "run"
     shutil.copytree(world / "run", run, symlinks=True)
-    # kill while later checkpoints are being written (every step saves one)
-    delay = random.Random(seed).uniform(0.5, 3.0)
-    kill_after([sys.executable, "-m", "training.run", *TINY, f"hydra.run.dir={run}", "trainer.resume=auto",
-                "trainer.max_steps=40", "trainer.save_every=1", "trainer.eval_every=100"], delay,
-               str(run / "checkpoints" / "step-5"))
+    # kill while a later checkpoint is being written (every step saves one)
+    delay = random.Random(seed).uniform(0.0, 0.05)
+    assert kill_while_writing([sys.executable, "-m", "training.run", *TINY, f"hydra.run.dir={run}", "trainer.resume=auto",
+                               "trainer.max_steps=40", "trainer.save_every=1", "trainer.eval_every=100"], delay,
+                              str(run / "checkpoints" / f".step-{6 + seed}.partial-*")), "it finished first"
     latest = os.path.realpath(run / "checkpoints" / "latest")
     read(latest).build(latest)  # latest is whole
     step = int(os.path.basename(latest).split("-")[1])

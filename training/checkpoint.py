@@ -25,7 +25,7 @@ def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_
         broadcast_object_list(partial)  # every process writes its part into the main process's temp dir
     partial = partial[0]
     if accelerator.is_main_process:
-        remove_stale_partials(final)  # left by a run killed mid-write
+        remove_stale_partials(checkpoints_dir, every_name=True)  # what a run killed mid-write left
         os.makedirs(partial)
     accelerator.wait_for_everyone()
     accelerator.save_state(partial)
@@ -37,7 +37,6 @@ def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_
         fsync_tree(partial)
         commit_directory(partial, final)  # a step resumed from an earlier checkpoint is replaced whole
         latest = os.path.join(checkpoints_dir, "latest")
-        remove_stale_partials(latest)
         link = temp_beside(latest)
         os.symlink(f"step-{step}", link)
         os.replace(link, latest)

@@ -19,7 +19,7 @@ from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
 from drafters.errors import UserError
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
-from drafters.writes import atomic_file
+from drafters.writes import atomic_file, check_not_in_checkpoint, holds_checkpoints
 from training import checkpoint, data, distributed, hidden_cache
 from training.schedule import TimeBudget, make_schedule
 from training.metrics import MetricsLog
@@ -203,6 +203,9 @@ def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
 
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
+    check_not_in_checkpoint(run_dir, "hydra.run.dir")  # before any work, as every check below
+    if holds_checkpoints(run_dir):
+        raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     resume_from = checkpoint.find(cfg.trainer.resume, checkpoints_dir, cfg.trainer.max_steps)  # before any work
     resumed = {**checkpoint.read_state(resume_from), "path": resume_from} if resume_from else None
