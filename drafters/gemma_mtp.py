@@ -141,6 +141,9 @@ class GemmaMTP(StepDrafter):
         heads = int(cfg.get("num_heads") or spec.num_heads)
         if heads % spec.num_kv_heads:
             raise UserError(f"drafter.num_heads={heads}: must be a multiple of the target's {spec.num_kv_heads} KV heads")
+        if width % heads:
+            raise UserError(f"drafter.hidden_size={width}: must be a multiple of its {heads} attention heads "
+                            "(drafter.num_heads, default the target's)")
         self.layer_config = LlamaConfig(
             hidden_size=width,
             intermediate_size=int(cfg.get("intermediate_size") or spec.intermediate_size * width // spec.hidden_size),

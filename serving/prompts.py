@@ -30,6 +30,13 @@ def _read_jsonl(path: str) -> list[dict]:
     return records
 
 
+def _read_prompt_file(path: str) -> list[dict]:
+    try:
+        return _read_jsonl(path)
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as error:
+        raise UserError(f"prompt file {path} is not UTF-8 JSONL ({error})") from None
+
+
 def _text(record: dict, field: str, where: str) -> str:
     if not isinstance(record, dict):
         raise UserError(f"{where}: a prompt line must be a JSON object with a '{field}' field")
@@ -54,7 +61,7 @@ def load_prompts(name: str, n: int | None = None) -> list[str]:
         path, field = name, None
         if not os.path.isfile(path):
             raise UserError(f"prompt set not found: '{name}' is neither {sorted(BUILTIN)} nor a file")
-    records = _read_jsonl(path)[:n] if n else _read_jsonl(path)
+    records = _read_prompt_file(path)[:n] if n else _read_prompt_file(path)
     prompts = []
     for number, record in enumerate(records, 1):
         key = field or next((k for k in ("prompt", "question", "turns") if isinstance(record, dict) and k in record),

@@ -62,6 +62,7 @@ def world(tmp_path_factory):
     records[12] = records[12].rstrip(",")  # a missing comma in the third record...
     (files / "broken.json").write_text("\n".join(records[:-1]))  # ...and no closing ]
     (files / "not_a_prompt.jsonl").write_text("[1, 2]\n")
+    (files / "binary.json").write_bytes(bytes(range(128, 256)))
     broken = root / "broken_checkpoint"
     shutil.copytree(run / "checkpoints" / "step-4", broken)
     (broken / "trainer_state.json").write_text('{"step": 4, "drafter"')
@@ -159,6 +160,10 @@ CASES = [
     ("data_prompts_only", "training.run", ["data.path={root}/files/prompts.jsonl"], "pass data.regenerate=true"),
     ("data_malformed_line", "training.run", ["data.path={root}/files/bad_line.jsonl"], "bad_line.jsonl:2: malformed JSON"),
     ("data_broken_unclosed_array", "training.run", ["data.path={root}/files/broken.json"], "broken.json:14: malformed JSON"),
+    ("data_binary", "training.run", ["data.path={root}/files/binary.json"], "binary.json is not UTF-8 text"),
+    ("zero2_in_one_cpu_process", "training.run", ["distributed=zero2"], "distributed=zero2 on CPU needs 2 or more processes"),
+    ("gemma_width_not_divisible", "training.run", ["drafter=gemma_mtp", "drafter.hidden_size=30"], "drafter.hidden_size=30: must be a multiple of its 4 attention heads"),
+    ("dflash_more_aux_than_layers", "training.run", ["drafter=dflash", "drafter.num_aux=100"], "drafter.num_aux=100: more aux layers than the 5"),
     # launch and dump
     ("launch_zero_processes", "training.launch", ["launch.processes_per_node=0", "launch.dry_run=true"], "launch.processes_per_node=0: must be >= 1"),
     ("launch_negative_nodes", "training.launch", ["launch.nodes=-1", "launch.dry_run=true"], "launch.nodes=-1: must be >= 1"),
@@ -182,6 +187,8 @@ CASES = [
     ("bench_unknown_set", "serving.bench", ["artifact={root}/artifact", "prompts=nosuch", "out={tmp}/b.json"], "prompt set not found: 'nosuch'"),
     ("bench_empty_prompt_file", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/empty.jsonl", "out={tmp}/b.json"], "holds no prompts"),
     ("bench_prompt_not_an_object", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/not_a_prompt.jsonl", "out={tmp}/b.json"], "not_a_prompt.jsonl:1: a prompt line must be a JSON object"),
+    ("bench_binary_prompt_file", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/binary.json", "out={tmp}/b.json"], "binary.json is not UTF-8 JSONL"),
+    ("serve_empty_prompt", "serving.run", ["artifact={root}/artifact", "prompt="], "prompt is empty"),
     ("bench_out_in_missing_dir", "serving.bench", ["artifact={root}/artifact", "out={tmp}/no/such/b.json"], "no directory"),
     ("bench_out_inside_checkpoint", "serving.bench", ["artifact={root}/artifact", "out={run}/checkpoints/step-2/b.json"], "would overwrite the training checkpoint"),
     ("bench_out_over_artifact", "serving.bench", ["artifact={root}/artifact", "out={root}/artifact/config.json"], "would overwrite"),

@@ -96,7 +96,9 @@ def test_dry_run_renders_a_multi_node_plan_and_starts_nothing(tmp_path):
 @pytest.mark.parametrize("overrides, fragment", [
     (["distributed=fsdp", "launch.processes_per_node=2"], "distributed=fsdp needs GPUs"),
     (["distributed=none", "launch.processes_per_node=2"], "use distributed=ddp"),
-    (["distributed=zero2", "distributed.deepspeed.train_micro_batch_size_per_gpu=8"], "leave it auto"),
+    (["distributed=zero2", "launch.processes_per_node=2", "distributed.deepspeed.train_micro_batch_size_per_gpu=8"],
+     "leave it auto"),
+    (["distributed=zero2"], "distributed=zero2 on CPU needs 2 or more processes"),
 ])
 def test_what_cannot_run_still_renders_then_is_refused_in_one_line(tmp_path, overrides, fragment):
     result = plan(tmp_path, "target=tiny_llama", *overrides)

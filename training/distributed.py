@@ -64,6 +64,9 @@ def check_mode(cfg: DictConfig, device: str, world: int) -> None:
     if mode == "none" and world > 1:
         raise UserError(f"distributed=none trains in one process, but {world} were launched: "
                         "use distributed=ddp (or zero2, zero3, fsdp)")
+    if mode in ("zero2", "zero3") and world == 1 and device == "cpu":
+        raise UserError(f"distributed={mode} on CPU needs 2 or more processes (DeepSpeed's process group): "
+                        "python -m training.launch launch.processes_per_node=2 ..., or distributed=none for one")
     if mode == "fsdp" and device == "cpu":
         raise UserError("distributed=fsdp needs GPUs: Accelerate enables FSDP only on CUDA/ROCm devices and would "
                         "train unsharded copies on CPU; use distributed=ddp, zero2 or zero3 here")
