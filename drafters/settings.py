@@ -154,6 +154,13 @@ class Target:
     random_init: dict | None = anything()  # tests: a random-weight model of this HF config
 
 
+def check_target(cfg: DictConfig) -> None:
+    """A target node names one source: a path (hub id or HF dir), or a package's GGUF file."""
+    if cfg.get("path") and cfg.get("package"):
+        raise UserError(f"target.path={cfg.path}: this target preset loads {cfg.get('gguf_file') or 'its model'} from "
+                        f"the package {cfg.package}; for a model of your own: target=hf target.path={cfg.path}")
+
+
 @dataclass
 class Drafter:
     """What every conf/drafter/*.yaml has; each drafter's own keys: its class's `Settings`."""

@@ -178,10 +178,13 @@ def _random_init(cfg: DictConfig, dtype: torch.dtype):
     overrides = OmegaConf.to_container(cfg.random_init, resolve=True)
     model_type = overrides.pop("model_type")
     seed = overrides.pop("seed", 0)
-    config = AutoConfig.for_model(model_type, **overrides)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.for_model(model_type, **overrides)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, RuntimeError) as error:  # transformers' and torch's word on the shapes
+        raise UserError(f"target.random_init does not build a {model_type} model ({str(error).splitlines()[0]})") from None
     return model.to(dtype)
 
 

@@ -85,6 +85,7 @@ class Export:
 def export(cfg: DictConfig) -> str:
     """Write the artifact; returns the line that says what was written."""
     settings.check(cfg, Export)
+    settings.check_target(cfg.target)
     check_settings(cfg.drafter)
     formats.named(cfg.format)  # an unknown format fails before any work
     checkpoint, out = str(cfg.checkpoint), os.path.abspath(str(cfg.out))

@@ -139,6 +139,8 @@ CASES = [
     ("medusa_no_heads", "training.run", ["drafter=medusa", "drafter.num_heads=0"], "drafter.num_heads=0: must be >= 1"),
     ("flag_not_boolean", "training.run", ["drafter.init_head_from_target=3"], "drafter.init_head_from_target=3: must be true or false"),
     ("target_dtype_unknown", "training.run", ["target.dtype=half"], "target.dtype=half: must be one of auto"),
+    ("target_path_and_package", "training.run", ["+target.path=/models/mine"], "target.path=/models/mine: this target preset loads"),
+    ("target_random_init_negative", "training.run", ["target.random_init.hidden_size=-4"], "target.random_init does not build a llama model"),
     ("logger_mode_unknown", "training.run", ["logger=wandb", "logger.mode=sometimes"], "logger.mode=sometimes: must be one of"),
     ("aux_layer_beyond_target", "training.run", ["drafter.aux_layers=[1,2,99]"], "99"),
     # training: runs and checkpoints

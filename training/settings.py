@@ -103,6 +103,7 @@ class Train:
 def check(cfg: DictConfig) -> None:
     """Every key of a training config, the drafter's own included, and what keys say together."""
     settings.check(cfg, Train)
+    settings.check_target(cfg.target)
     check_settings(cfg.drafter)
     if cfg.launch.node_rank >= cfg.launch.nodes:
         raise UserError(f"launch.node_rank={cfg.launch.node_rank}: must be below launch.nodes={cfg.launch.nodes}")
