@@ -53,10 +53,10 @@ def _prune(checkpoints_dir: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(checkpoints_dir, f"step-{step}"))
 
 
-def find(resume: str, checkpoints_dir: str, max_steps: int) -> str | None:
-    """The checkpoint to resume from: `no` -> None, `auto` -> latest if any, else a given dir. Refused
-    before any work: a run dir whose checkpoints `no` would overwrite, a checkpoint that is not one
-    or is already at `max_steps`."""
+def find(resume: str, checkpoints_dir: str, max_steps: int) -> dict | None:
+    """The state of the checkpoint to resume from, its dir under "path": `no` -> None, `auto` ->
+    latest if any, else a given dir. Refused before any work: a run dir whose checkpoints `no` would
+    overwrite, a checkpoint that is not one or is already at `max_steps`."""
     if resume in (None, "no", False):
         existing = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-")) \
             if os.path.isdir(checkpoints_dir) else []
@@ -73,13 +73,14 @@ def find(resume: str, checkpoints_dir: str, max_steps: int) -> str | None:
         path = str(resume)
     if not os.path.isfile(os.path.join(path, STATE_FILE)):
         raise UserError(f"trainer.resume: {path} is not a training checkpoint (no {STATE_FILE})")
-    step = read_state(path).get("step")
+    state = read_state(path)
+    step = state.get("step")
     if not isinstance(step, int):
         raise UserError(f"trainer.resume: {os.path.join(path, STATE_FILE)} has no step")
     if step >= max_steps:
         raise UserError(f"trainer.resume: {path} is already at step {step} and trainer.max_steps={max_steps}: "
                         f"nothing left to train (raise trainer.max_steps to train on)")
-    return path
+    return {**state, "path": path}
 
 
 def load(accelerator, path: str) -> None:

@@ -207,8 +207,8 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     if holds_checkpoints(run_dir):
         raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
-    resume_from = checkpoint.find(cfg.trainer.resume, checkpoints_dir, cfg.trainer.max_steps)  # before any work
-    resumed = {**checkpoint.read_state(resume_from), "path": resume_from} if resume_from else None
+    resumed = checkpoint.find(cfg.trainer.resume, checkpoints_dir, cfg.trainer.max_steps)  # before any work
+    resume_from = resumed["path"] if resumed else None
     precisions = settle_precision(cfg, run_dir)
     accelerator = distributed.make_accelerator(cfg, run_dir)
     distributed.agree_on_run_dir(accelerator, run_dir)
