@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import precision
 from drafters.errors import UserError
-from drafters.writes import fsync_tree, remove_stale_partials, temp_beside
+from drafters.writes import remove_stale_partials, seal, temp_beside
 
 
 @dataclass
@@ -143,7 +143,7 @@ def converted_gguf(path: str, gguf_file: str) -> str:
     partial = temp_beside(out)
     model.save_pretrained(partial)
     AutoTokenizer.from_pretrained(path, gguf_file=gguf_file).save_pretrained(partial)
-    fsync_tree(partial)
+    seal(partial)
     try:
         os.rename(partial, out)  # complete or absent
     except OSError:  # another process converted it first

@@ -6,6 +6,8 @@ Every writer (artifacts, checkpoints, caches, vocabularies, benchmark results, d
   contain or lie inside what the command reads, or any training checkpoint;
 - it is written under a unique temp name beside it (pid + random), fsynced, then renamed into
   place: a reader sees the old file or the new one, never half of one;
+- its files get the permissions the umask gives (safetensors writes 0600 whatever the umask, which
+  would hide an artifact from a server running as another user);
 - temp files an earlier, killed process left beside it are removed (their pid is gone).
 """
 
@@ -21,6 +23,8 @@ from drafters.errors import UserError
 
 STATE_FILE = "trainer_state.json"  # what marks a directory as a training checkpoint
 PARTIAL, OLD = ".partial-", ".old-"  # temp names: what is being written, what it replaces
+UMASK = os.umask(0o022)  # read once (setting it is the only way to read it), then put back
+os.umask(UMASK)
 
 
 def _within(path: str, directory: str) -> bool:
@@ -110,16 +114,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def fsync_tree(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as handle:
-                os.fsync(handle.fileno())
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+def seal(path: str) -> None:
+    """A written file, or every file of a written dir, with the umask's permissions and on disk."""
+    files = [os.path.join(root, name) for root, _dirs, names in os.walk(path) for name in names] \
+        if os.path.isdir(path) else [path]
+    for file in files:
+        os.chmod(file, 0o666 & ~UMASK)
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    if os.path.isdir(path):  # its entries too
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def _fsync_parent(path: str) -> None:
@@ -140,8 +148,7 @@ def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
     partial = temp_beside(path)
     try:
         yield partial
-        with open(partial, "rb") as handle:
-            os.fsync(handle.fileno())
+        seal(partial)
         os.replace(partial, path)
         _fsync_parent(path)
     finally:
@@ -170,7 +177,7 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
     os.mkdir(partial)
     try:
         yield partial
-        fsync_tree(partial)
+        seal(partial)
         commit_directory(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

@@ -12,7 +12,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from safetensors import SafetensorError
 
 from drafters.errors import UserError
-from drafters.writes import STATE_FILE, commit_directory, fsync_tree, remove_stale_partials, temp_beside
+from drafters.writes import STATE_FILE, commit_directory, remove_stale_partials, seal, temp_beside
 
 
 def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:
@@ -34,7 +34,7 @@ def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_
     if accelerator.is_main_process:
         with open(os.path.join(partial, STATE_FILE), "w") as handle:
             json.dump({**state, "step": step}, handle, indent=1)
-        fsync_tree(partial)
+        seal(partial)
         commit_directory(partial, final)  # a step resumed from an earlier checkpoint is replaced whole
         latest = os.path.join(checkpoints_dir, "latest")
         link = temp_beside(latest)
