@@ -108,7 +108,7 @@ class DFlash(ParallelDrafter):
                             f"(0..{spec.vocab_size - 1})")
         if not cfg.get("aux_layers") and int(cfg.get("num_aux", 5)) > max(spec.num_layers - 3, 1):
             raise UserError(f"drafter.num_aux={cfg.num_aux}: more aux layers than the {max(spec.num_layers - 3, 1)} "
-                            f"it spreads them over (target layers 1..N-3 of {spec.name})")
+                            f"it spreads them over (target layers 1..N-3 of {spec.name}): lower it or pass drafter.aux_layers")
         self.aux_layers = (list(cfg.aux_layers) if cfg.get("aux_layers")
                            else spread_aux_layers(spec.num_layers, int(cfg.get("num_aux", 5))))
         self.layer_config = draft_layer_config(spec, num_layers)

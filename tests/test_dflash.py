@@ -206,7 +206,7 @@ def test_dspark_sampling_with_confidence_scheduling_keeps_the_target_distributio
     confidence schedule cuts the chain from confidences that depend only on earlier drafts: the
     first three generated tokens over many runs follow the target's exact joint distribution."""
     cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={VOCAB}", "target.draft_vocab_size=6",
-                         "target.random_init.num_hidden_layers=4", "drafter=dspark", "drafter.markov_rank=4",
+                         "target.random_init.num_hidden_layers=4", "drafter=dspark", "drafter.num_aux=1", "drafter.markov_rank=4",
                          "drafter.block_size=4"])
     torch.manual_seed(0)
     small = load_target(cfg.target)
