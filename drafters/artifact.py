@@ -144,7 +144,8 @@ def read_weights(path: str, where: str) -> dict[str, torch.Tensor]:
 def read(path: str) -> SavedDrafter:
     """A training checkpoint or a native artifact dir, or a one-line UserError."""
     if not os.path.isdir(path):
-        raise UserError(f"artifact not found: {path}")
+        raise UserError(f"artifact {path} is a file: pass the directory that holds it" if os.path.isfile(path)
+                        else f"artifact not found: {path}")
     if os.path.isfile(os.path.join(path, STATE_FILE)):
         document, form = read_json(os.path.join(path, STATE_FILE), path), "training checkpoint"
     elif os.path.isfile(os.path.join(path, CONFIG_FILE)):

@@ -8,6 +8,7 @@ traceback, says it is a bug, and exits 1.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import traceback
 
@@ -18,8 +19,19 @@ class UserError(Exception):
     """Bad input from the user (file, config, model mismatch); the message names the culprit."""
 
 
+class MainProcessFailed(UserError):
+    """In the other processes of a multi-process run: the main process stopped on a user mistake
+    (and printed it) while they waited for it."""
+
+
 def fail(message: str) -> None:
-    """Print `error: <message>` as one line and exit 2."""
+    """Print `error: <message>` as one line and exit 2. In the other processes of a multi-process
+    run, before their process group exists, the same checks fail on the same input: only rank 0
+    prints."""
+    torch = sys.modules.get("torch")
+    grouped = torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if os.environ.get("RANK", "0") != "0" and not grouped:
+        sys.exit(USER_MISTAKE)
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(USER_MISTAKE)
 
@@ -33,6 +45,8 @@ def entry_point(main):
     def run(*args, **kwargs):
         try:
             return main(*args, **kwargs)
+        except MainProcessFailed:
+            sys.exit(USER_MISTAKE)
         except UserError as error:
             fail(str(error))
         except OSError as error:  # the message names the file and what the system refused

@@ -91,6 +91,9 @@ def export(cfg: DictConfig) -> str:
     checkpoint, out = str(cfg.checkpoint), os.path.abspath(str(cfg.out))
     if not os.path.isdir(checkpoint):
         raise UserError(f"checkpoint not found: {cfg.checkpoint}")
+    verifier = str(cfg.verifier or "")
+    if verifier.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(verifier)):
+        raise UserError(f"verifier={verifier}: no such model directory (pass an HF dir or a hub id)")
     if cfg.verifier_out:  # refused before any work, like out
         check_destination(str(cfg.verifier_out), (checkpoint, out), key="verifier_out")
     with atomic_directory(out, cfg.overwrite, protect=(checkpoint,)) as partial:

@@ -142,6 +142,9 @@ def main(cfg: DictConfig) -> None:
     names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
     if not names or not all(isinstance(name, str) for name in names):
         raise UserError(f"prompts={cfg.prompts}: name one prompt set or file, or a non-empty list of them")
+    stems = [os.path.basename(name) for name in names]  # the results' keys
+    if len(set(stems)) < len(stems):
+        raise UserError(f"prompts={list(names)}: names the same set twice")
     out, stem = str(cfg.out), os.path.splitext(str(cfg.out))[0]
     for path in (out, f"{stem}.png", f"{stem}.yaml"):  # before the benchmark's minutes, not after
         check_writable(path)

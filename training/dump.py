@@ -47,7 +47,7 @@ def dump(cfg: DictConfig) -> dict:
     target = load_target(cfg.target, state.device)
     chosen = precision.resolve(cfg.target.get("dtype", "auto"), state.device)
     log.info("precision: %s for the target; %s", chosen.describe(), chosen.hardware.describe())
-    with state.main_process_first():  # the main process writes the data caches, the others read them
+    with distributed.main_process_first(state):  # the main process writes the data caches, the others read them
         train_set, eval_set = prepare_data(cfg, target)
     with tempfile.TemporaryDirectory() as scratch:  # the drafter is built only to learn its capture layers
         layers = build_model(cfg, target, train_set, scratch)[0].capture_layers()

@@ -18,7 +18,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import UserError, entry_point
+from drafters.errors import BUG, USER_MISTAKE, UserError, entry_point
 from training import distributed, settings
 
 
@@ -33,7 +33,31 @@ def main(cfg: DictConfig) -> None:
     if refused:
         raise UserError(refused)
     if not cfg.launch.dry_run:
+        if cfg.launch.module == "training.run":  # a bad input fails here once, not once per process
+            from training.trainer import preflight
+
+            preflight(cfg, hydra_cfg.runtime.output_dir)
+        start(command)
+
+
+def start(command: list[str]) -> None:
+    """Run `command`: one process replaces this one; several run under Accelerate (torchrun) in
+    this process, so that when every failure is a user mistake (exit 2, its line printed by the
+    main process) this exits 2 too, without torchrun's failure report."""
+    if command[1:3] != ["-m", "accelerate.commands.launch"]:
         os.execv(command[0], command)
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        launch_command(launch_command_parser().parse_args(command[3:]))
+    except ChildFailedError as failed:
+        rank, first = failed.get_first_failure()
+        if first.exitcode == USER_MISTAKE:
+            sys.exit(USER_MISTAKE)
+        print(f"error: process {rank} of the run exited with code {first.exitcode} (its output is above)",
+              file=sys.stderr)
+        sys.exit(BUG)
 
 
 def make_plan(cfg: DictConfig, run_dir: str, overrides: list[str]) -> tuple[dict, list[str], str | None]:

@@ -202,13 +202,21 @@ def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
 
 
-def train(cfg: DictConfig, run_dir: str) -> dict:
-    check_not_in_checkpoint(run_dir, "hydra.run.dir")  # before any work, as every check below
+def preflight(cfg: DictConfig, run_dir: str) -> dict | None:
+    """The checks that need no model, before any work or process group (training.launch runs them
+    once before it starts processes): the run dir, the data file, what to resume. Returns the
+    checkpoint state to resume from, or None."""
+    check_not_in_checkpoint(run_dir, "hydra.run.dir")
     if holds_checkpoints(run_dir):
         raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
-    checkpoints_dir = os.path.join(run_dir, "checkpoints")
-    resumed = checkpoint.find(cfg.trainer.resume, checkpoints_dir, cfg.trainer.max_steps)  # before any work
+    data.data_source(cfg.data.path)
+    return checkpoint.find(cfg.trainer.resume, os.path.join(run_dir, "checkpoints"), cfg.trainer.max_steps)
+
+
+def train(cfg: DictConfig, run_dir: str) -> dict:
+    resumed = preflight(cfg, run_dir)
     resume_from = resumed["path"] if resumed else None
+    checkpoints_dir = os.path.join(run_dir, "checkpoints")
     precisions = settle_precision(cfg, run_dir)
     accelerator = distributed.make_accelerator(cfg, run_dir)
     distributed.agree_on_run_dir(accelerator, run_dir)
@@ -220,7 +228,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     if cfg.data.max_length > target.spec.max_position_embeddings:
         raise UserError(f"data.max_length={cfg.data.max_length}: must be <= the {target.spec.max_position_embeddings} "
                         f"positions of target {target.spec.name}")
-    with accelerator.main_process_first():  # the main process writes the data and vocab caches, the others read them
+    with distributed.main_process_first(accelerator):  # the main process writes the data and vocab caches, the others read them
         train_set, eval_set = prepare_data(cfg, target)
         drafter, vocab, vocab_key = build_model(cfg, target, train_set, run_dir, resumed)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
