@@ -27,8 +27,8 @@ from drafters.artifact import read
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["target=tiny_llama", "logger=none", "data.max_samples=40", "data.max_length=128", "trainer.batch_size=2",
         "trainer.eval_max_samples=4", "trainer.max_minutes=null"]
-# Hydra records every invocation of a run dir in .hydra/ and appends to run.log: not the run's data
-HYDRA_RECORDS = (".hydra", "run.log")
+# Hydra appends every invocation of a run dir to its run.log (.hydra/ is written only by a run that starts)
+HYDRA_RECORDS = ("run.log",)
 
 
 def train_cli(run_dir, *args, timeout=300):
@@ -156,6 +156,8 @@ CASES = [
     ("max_length_past_positions", "training.run", ["data.max_length=4096"], "data.max_length=4096: must be <= the 2048 positions"),
     ("resume_other_vocabulary", "training.run", ["hydra.run.dir={run}", "trainer.resume=auto", "trainer.max_steps=8", "data.max_samples=30"], "draft vocabulary was built from other inputs; changed: the training conversations"),
     # training: data files
+    ("eval_accept_tokens_past_positions", "training.run", ["trainer.eval_accept_prompts=1", "trainer.eval_accept_tokens=100000"],
+     "trainer.eval_accept_tokens=100000: must be <= the 2048 positions"),
     ("data_missing", "training.run", ["data.path={tmp}/none.jsonl"], "data file not found"),
     ("data_empty", "training.run", ["data.path={root}/files/empty.jsonl"], "the file holds no records"),
     ("data_no_answers", "training.run", ["data.path={root}/files/no_answer.jsonl"], "5 records without an assistant answer"),
@@ -174,6 +176,7 @@ CASES = [
     ("launch_negative_nodes", "training.launch", ["launch.nodes=-1", "launch.dry_run=true"], "launch.nodes=-1: must be >= 1"),
     ("launch_rank_past_nodes", "training.launch", ["launch.node_rank=2", "launch.dry_run=true"], "launch.node_rank=2: must be below launch.nodes=1"),
     ("launch_unknown_module", "training.launch", ["launch.module=training.eval", "launch.dry_run=true"], "launch.module=training.eval: must be one of"),
+    ("dump_into_an_artifact", "training.dump", ["data.cache.dir={root}/artifact"], "holds other files (config.json"),
     ("dump_into_a_checkpoint", "training.dump", ["data.cache.dir={run}/checkpoints/latest/cache"], "would overwrite the training checkpoint"),
     # serving
     ("serve_no_artifact", "serving.run", [], "artifact is required: pass artifact=..."),

@@ -42,6 +42,7 @@ def dump(cfg: DictConfig) -> dict:
     """Write this process's missing shards of `data.cache.dir`; returns how many it wrote and
     skipped, and on the main process the finished cache's stats."""
     check_destination(str(cfg.data.cache.dir), key="data.cache.dir")  # before the target loads
+    check_cache_dir(str(cfg.data.cache.dir))
     device, world = distributed.platform(), distributed.world_size()
     state = PartialState(cpu=device == "cpu", **({"backend": "gloo"} if device == "cpu" and world > 1 else {}))
     target = load_target(cfg.target, state.device)
@@ -77,6 +78,16 @@ def dump(cfg: DictConfig) -> dict:
     if stats:
         log.info("dump complete in %s: %s", directory, stats)
     return {"written": written, "skipped": skipped, "cache": stats}
+
+
+def check_cache_dir(directory: str) -> None:
+    """A cache goes into a directory of its own: one that holds no cache yet must be new or empty."""
+    if not os.path.isdir(directory) or hidden_cache.read_index(directory) is not None:
+        return
+    others = sorted(name for name in os.listdir(directory) if not name.startswith("."))
+    if others:
+        raise UserError(f"data.cache.dir {directory} holds other files ({', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''}): give a new or empty directory")
 
 
 def begin(directory: str, expected: dict) -> None:

@@ -11,6 +11,7 @@ import time
 
 import torch
 from accelerate.utils import set_seed
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
@@ -184,7 +185,7 @@ def measured_accept_len(drafter, target, eval_set, cfg) -> float:
 def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
     """Resolve `target.dtype` and `trainer.precision` (auto) for this process's device, once, and
     write the result into the config, so that what ran is what W&B, `trainer_state.json` and
-    `.hydra/config.yaml` record. Returns the record for checkpoints."""
+    `.hydra/config.yaml` (record_config) record. Returns the record for checkpoints."""
     device = distributed.local_device()
     target = precision.resolve(cfg.target.get("dtype", "auto"), device, key="target.dtype")
     autocast = precision.resolve(cfg.trainer.precision, device, key="trainer.precision")
@@ -195,11 +196,17 @@ def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
     else:
         what = f"target {target.describe()}, drafter autocast {autocast.describe()}"
     log.info("precision: %s; %s", what, target.hardware.describe())
-    hydra_config = os.path.join(run_dir, ".hydra", "config.yaml")
-    if os.path.isfile(hydra_config) and int(os.environ.get("RANK", "0")) == 0:  # one writer: the main process
-        with atomic_file(hydra_config, key="hydra config") as partial:
-            OmegaConf.save(cfg, partial)
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
+
+
+def record_config(cfg: DictConfig, run_dir: str) -> None:
+    """`.hydra/config.yaml` (resolved precision included) and `overrides.yaml`, written here rather
+    than by Hydra so that a refused run leaves an existing run's record as it was."""
+    os.makedirs(os.path.join(run_dir, ".hydra"), exist_ok=True)
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    for name, content in (("config.yaml", cfg), ("overrides.yaml", OmegaConf.create(overrides))):
+        with atomic_file(os.path.join(run_dir, ".hydra", name), key="hydra config") as partial:
+            OmegaConf.save(content, partial)
 
 
 def preflight(cfg: DictConfig, run_dir: str) -> dict | None:
@@ -225,9 +232,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     set_seed(cfg.seed)
     target = load_target(cfg.target, accelerator.device)
     log.info("target %s: %s", target.spec.name, json.dumps(target.spec.to_dict()))
-    if cfg.data.max_length > target.spec.max_position_embeddings:
-        raise UserError(f"data.max_length={cfg.data.max_length}: must be <= the {target.spec.max_position_embeddings} "
-                        f"positions of target {target.spec.name}")
+    for key in ("data.max_length", "trainer.eval_accept_tokens"):
+        if OmegaConf.select(cfg, key) > target.spec.max_position_embeddings:
+            raise UserError(f"{key}={OmegaConf.select(cfg, key)}: must be <= the {target.spec.max_position_embeddings} "
+                            f"positions of target {target.spec.name}")
     with distributed.main_process_first(accelerator):  # the main process writes the data and vocab caches, the others read them
         train_set, eval_set = prepare_data(cfg, target)
         drafter, vocab, vocab_key = build_model(cfg, target, train_set, run_dir, resumed)
@@ -278,6 +286,8 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
 
     layers = accelerator.unwrap_model(drafter).capture_layers()
     teacher = make_teacher(cfg, target, vocab, layers, train_set, eval_set)
+    if accelerator.is_main_process:  # every check has passed: this run starts
+        record_config(cfg, run_dir)
     drafter.train()
     window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
     last_eval: dict = {}
