@@ -34,14 +34,21 @@ def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool
 
 
 @torch.no_grad()
-def prompt_lookup(target, ids, cfg) -> tuple[int, float]:
-    """transformers' own zero-training alternative: n-gram drafts copied from the prompt."""
+def hf_generate(target, ids, cfg, lookup_tokens: int | None) -> tuple[int, int, float]:
+    """transformers' `generate` loop on the same prompt: plain, or with its zero-training prompt
+    lookup (n-gram drafts copied from the prompt) when `lookup_tokens` is set: (new tokens, target
+    forwards, seconds)."""
+    forwards = []
+    counting = target.model.register_forward_pre_hook(lambda *_: forwards.append(1))
     began = time.perf_counter()
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-                                do_sample=cfg.temperature > 0, temperature=cfg.temperature or None,
-                                top_p=cfg.top_p, prompt_lookup_num_tokens=cfg.prompt_lookup_tokens,
-                                pad_token_id=target.tokenizer.pad_token_id)
-    return out.shape[1] - ids.shape[1], time.perf_counter() - began
+    try:
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                                    do_sample=cfg.temperature > 0, temperature=cfg.temperature or None,
+                                    top_p=cfg.top_p, prompt_lookup_num_tokens=lookup_tokens,
+                                    pad_token_id=target.tokenizer.pad_token_id)
+    finally:
+        counting.remove()
+    return out.shape[1] - ids.shape[1], len(forwards), time.perf_counter() - began
 
 
 def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
@@ -50,7 +57,8 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
 
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
-              "lookup_s": 0.0, "lookup_tokens": 0}
+              "drafting_s": 0.0, "verify_forward_s": 0.0, "bookkeeping_s": 0.0, "head_drafts": 0,
+              **{f"{kind}_{what}": 0 for kind in ("lookup", "hf_plain") for what in ("s", "tokens", "forwards")}}
     proposed, accepted, outcomes, gaps = [], [], [], []
     plain_sampler = sampler(cfg)
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
@@ -63,15 +71,20 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
             else:
                 runs[kind] = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **options)
         (plain, plain_stats), (spec, spec_stats) = runs["plain"], runs["spec"]
-        if cfg.prompt_lookup_tokens > 0:
-            tokens, seconds = prompt_lookup(target, ids, cfg)
-            totals["lookup_tokens"] += tokens
-            totals["lookup_s"] += seconds
+        for kind, wanted, lookup in (("lookup", cfg.prompt_lookup_tokens > 0, cfg.prompt_lookup_tokens),
+                                     ("hf_plain", cfg.hf_plain, None)):
+            if wanted:
+                tokens, forwards, seconds = hf_generate(target, ids, cfg, lookup)
+                totals[f"{kind}_tokens"] += tokens
+                totals[f"{kind}_forwards"] += forwards
+                totals[f"{kind}_s"] += seconds
         totals["plain_s"] += plain_stats.seconds
         totals["plain_tokens"] += plain_stats.new_tokens
         totals["spec_s"] += spec_stats.seconds
         totals["spec_tokens"] += spec_stats.new_tokens
         totals["forwards"] += spec_stats.target_forwards
+        for key in ("drafting_s", "verify_forward_s", "bookkeeping_s", "head_drafts"):
+            totals[key] += getattr(spec_stats, key)
         for k, (p, a) in enumerate(zip(spec_stats.proposed_by_pos, spec_stats.accepted_by_pos)):
             if k == len(proposed):
                 proposed.append(0)
@@ -85,6 +98,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
             if gap is not None:
                 gaps.append(round(gap, 4))
     plain_rate = totals["plain_tokens"] / totals["plain_s"]
+    iterations = max(totals["forwards"] - len(prompts), 1)  # verification forwards (prefills aside)
     spec_rate = totals["spec_tokens"] / totals["spec_s"]
     result = {
         "n_prompts": len(prompts),
@@ -97,12 +111,22 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         "near_tie_divergences": outcomes.count("near_tie") if outcomes else None,
         "unexplained_divergences": outcomes.count("unexplained") if outcomes else None,
         "divergence_top2_gaps": gaps,
+        # per speculative iteration (one verification forward each), in milliseconds
+        "ms_per_iteration": {key.removesuffix("_s"): 1000 * totals[key] / iterations
+                             for key in ("drafting_s", "verify_forward_s", "bookkeeping_s")},
+        # alpha: one head draft's cost relative to a plain target forward (our plain loop's per token)
+        "alpha": (totals["drafting_s"] / totals["head_drafts"]) / (totals["plain_s"] / totals["plain_tokens"])
+        if totals["head_drafts"] else None,
         "new_tokens_spec": totals["spec_tokens"],
         "new_tokens_plain": totals["plain_tokens"],
     }
+    if cfg.hf_plain:  # speed-ups are quoted against the faster plain loop: ours or transformers'
+        result["tokens_per_s_hf_plain"] = totals["hf_plain_tokens"] / totals["hf_plain_s"]
+        result["speedup_over_faster_plain"] = spec_rate / max(plain_rate, result["tokens_per_s_hf_plain"])
     if cfg.prompt_lookup_tokens > 0:
         lookup_rate = totals["lookup_tokens"] / totals["lookup_s"]
         result["tokens_per_s_prompt_lookup"] = lookup_rate
+        result["accept_len_prompt_lookup"] = totals["lookup_tokens"] / totals["lookup_forwards"]
         result["speedup_prompt_lookup"] = lookup_rate / plain_rate
         result["speedup_over_prompt_lookup"] = spec_rate / lookup_rate
     return result
@@ -160,12 +184,13 @@ def main(cfg: DictConfig) -> None:
     options = spec_options(cfg, target, drafter)
     results = {
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": chosen.name, "dtype_requested": cfg.dtype,
-                   "draft": cfg.draft,
+                   "draft": cfg.draft, "schedule": cfg.schedule,
                    "steps": cfg.steps, "min_confidence": cfg.min_confidence,
                    "verify_cost": options["verify_cost"],
                    "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
                    "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
-                   "prompt_lookup_tokens": cfg.prompt_lookup_tokens},
+                   "prompt_lookup_tokens": cfg.prompt_lookup_tokens, "hf_plain": cfg.hf_plain,
+                   "ngram": OmegaConf.to_container(cfg.ngram)},
         "hardware": chosen.hardware.to_dict(),
         "datasets": {},
     }

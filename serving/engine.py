@@ -22,6 +22,8 @@ from transformers import DynamicCache
 
 from drafters.base import greedy_draw
 from kernels import compact_kv_caches, greedy_verify, rejection_verify, tree_ancestors
+from serving.ngram import NgramDrafts, merge
+from serving.schedule import AutoSchedule
 
 
 @dataclass
@@ -70,6 +72,11 @@ class Stats:
     proposed_by_pos: list[int] = field(default_factory=list)  # drafts proposed at position k
     seconds: float = 0.0
     margins: list[float] = field(default_factory=list)  # plain decoding: top-1 minus top-2 logit per token
+    # where a speculative loop's time goes, summed over its iterations (prefill excluded)
+    drafting_s: float = 0.0  # the head's context extension and draft steps, n-gram lookups
+    verify_forward_s: float = 0.0  # the target's verification forwards (lm_head included)
+    bookkeeping_s: float = 0.0  # tree mask, verify kernel, cache compaction, committing tokens
+    head_drafts: int = 0  # drafts the head proposed
 
     @property
     def accept_len(self) -> float:
@@ -149,10 +156,22 @@ def measure_verify_cost(target, layers: list[int], most: int, context: int = 128
     return [0.0] + [sorted(t)[len(t) // 2] for t in times[1:]]
 
 
+@dataclass
+class NgramOptions:
+    """draft=ngram / hybrid: how n-gram drafts are found (serving/ngram.py)."""
+
+    shortest: int = 1  # the shortest suffix match that proposes
+    longest: int = 4  # the longest suffix looked up (the longest match wins)
+    branches: int = 1  # different continuations merged into one trie
+    length: int = 7  # tokens per continuation
+    head: str = "chain"  # draft=hybrid: the head's proposal the n-gram branches join (chain | tree)
+
+
 @torch.no_grad()
 def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
                   draft: str = "chain", steps: int = 7, min_confidence: float = 0.0, depth: int = 6, topk: int = 8,
-                  total: int = 48, sampler: Sampler = GREEDY, verify_cost: list[float] | None = None):
+                  total: int = 48, sampler: Sampler = GREEDY, verify_cost: list[float] | None = None,
+                  ngram: NgramOptions = NgramOptions(), schedule: AutoSchedule | None = None):
     """Speculative decoding.
 
     draft="chain" (or a block drafter's block): up to `steps` drafts per target forward;
@@ -163,65 +182,137 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     the drafts before a position, never on its own draft, so sampling stays exact.
     draft="tree": an EAGLE-2 dynamic tree (`depth` levels, `topk` expansions per level, the
     `total` best nodes verified at once under a tree attention mask); when sampling, each expanded
-    node gets `topk` i.i.d. children (see Eagle3.propose_tree), so keep `topk` small (2-3)."""
+    node gets `topk` i.i.d. children (see Eagle3.propose_tree), so keep `topk` small (2-3).
+    draft="ngram": no head (`drafter` may be None): drafts copied from the prompt and the text so
+    far (serving/ngram.py); when sampling, one continuation, each draft a point mass.
+    draft="hybrid": the head's chain or tree (`ngram.head`) with the n-gram branches merged into
+    one tree; greedy only, unless scheduled.
+    `schedule` (an AutoSchedule; chain, ngram or hybrid with a chain head): each forward verifies
+    the head and n-gram draft counts with the most expected tokens per second (serving/schedule.py),
+    down to none: plain decoding. It learns across calls: pass the same one for every prompt. When
+    sampling, one source per forward."""
+    if draft == "hybrid" and not sampler.greedy and schedule is None:
+        raise ValueError("draft='hybrid' samples only with a schedule (one source per forward)")
     began = time.perf_counter()
-    layers = drafter.capture_layers()
+    device = prompt_ids.device
+    head = drafter if draft != "ngram" else None
+    lookup = NgramDrafts(prompt_ids[0].tolist(), ngram.shortest, ngram.longest) if draft in ("ngram", "hybrid") else None
+    proposal = ngram.head if draft == "hybrid" else draft
+    branches = 1 if schedule or not sampler.greedy else ngram.branches
+    planner = schedule
+    layers = head.capture_layers() if head else []
     cache = DynamicCache()
-    draft_cache = drafter.new_cache(cache)
     aux, final = target.capture(prompt_ids, None, layers, cache=cache)
     last = sampler.draw(target.logits(final[:, -1]))[0][:, None]  # the first token, from prefill
     tokens = [int(last)]
-    # drafter context: features of positions 0..P-1, each with the token that followed it
-    feature, logits = drafter.extend(draft_cache, aux, torch.cat([prompt_ids[:, 1:], last], 1))
+    if head:
+        draft_cache = head.new_cache(cache)
+        # the drafter's context, extended when it drafts next: features of positions 0..P-1, each
+        # with the token that followed it
+        pending = [(aux, torch.cat([prompt_ids[:, 1:], last], 1))]
+    if lookup:
+        lookup.extend(tokens)
     stats = Stats(target_forwards=1)  # the prefill forward gave the first token
-    device = prompt_ids.device
     done = tokens[0] in eos or max_new_tokens <= 1
     while not done:
+        iteration = time.perf_counter()
         length = cache.get_seq_length()  # target positions in cache; `last` sits at `length`
         remaining = max_new_tokens - len(tokens)  # never draft deeper than the tokens still to come
-        if draft == "tree":
-            drafts, parents, node_dists = drafter.propose_tree(draft_cache, feature, logits, min(depth, remaining), topk, total,
-                                                               None if sampler.greedy else sampler.draw)
+        found, found_parents, match = lookup.propose(min(ngram.length, remaining), branches) if lookup else ([], [], 0)
+        if planner:
+            head_drafts, ngram_drafts = planner.plan(head is not None, len(found), match, both=sampler.greedy)
+            found, found_parents = found[:ngram_drafts], found_parents[:ngram_drafts]  # a chain: a prefix
         else:
-            # up to `steps` drafts: a drafter may offer fewer (Medusa: one per head)
-            drafts, dists, confidence = drafter.propose_chain(draft_cache, feature, logits, min(steps, remaining),
-                                                              sampler.draw)
-            keep = scheduled_length(confidence[0], min_confidence, verify_cost)
-            drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
-            node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
-        draft_cache.crop(length)  # drop the drafter's speculative entries
+            head_drafts = min(depth if proposal == "tree" else steps, remaining) if head else 0
+        drafts = parents = torch.zeros(0, dtype=torch.long, device=device)
+        draft_probs = None  # sampling: [1, nodes, V] the distribution each node's children came from
+        if head_drafts:
+            drafted = time.perf_counter()
+            aux_context = [torch.cat(parts, 1) for parts in zip(*(a for a, _ in pending))]
+            feature, logits = head.extend(draft_cache, aux_context, torch.cat([t for _, t in pending], 1))
+            pending, extended = [], time.perf_counter()
+            if proposal == "tree":
+                drafts, parents, node_dists = head.propose_tree(draft_cache, feature, logits, head_drafts, topk, total,
+                                                                None if sampler.greedy else sampler.draw)
+            else:  # a drafter may offer fewer (Medusa: one per head)
+                drafts, dists, confidence = head.propose_chain(draft_cache, feature, logits, head_drafts, sampler.draw)
+                keep = head_drafts if planner else scheduled_length(confidence[0], min_confidence, verify_cost)
+                drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
+                node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
+            draft_cache.crop(length)  # drop the drafter's speculative entries
+            if not sampler.greedy:
+                draft_probs = torch.zeros(1, len(drafts) + 1, target.spec.vocab_size, device=device)
+                draft_probs[0, :, head.vocab.draft_ids.to(device)] = node_dists
+            head_drafts, proposed = len(drafts), time.perf_counter()
+            head_chain = drafts.tolist()
+            stats.head_drafts += head_drafts
+        if found:
+            if not sampler.greedy:  # one continuation, a chain of point masses: node i's child is node i + 1
+                draft_probs = torch.zeros(1, len(found) + 1, target.spec.vocab_size, device=device)
+                draft_probs[0, torch.arange(len(found)), torch.tensor(found, device=device)] = 1.0
+            merged = merge(drafts.tolist(), parents.tolist(), found, found_parents)  # parents: 0 is the root
+            drafts, parents = (torch.tensor(x, dtype=torch.long, device=device) for x in merged)
         candidates = torch.cat([last, drafts[None]], 1)
-        parents = torch.cat([torch.tensor([-1], device=device), parents])[None]
-        visible = tree_ancestors(parents)  # a node sees its ancestors (a chain: causal)
-        mask = torch.cat([torch.ones(1, candidates.shape[1], length, dtype=torch.bool, device=device), visible], -1)
-        aux, final = target.capture(candidates, mask[:, None], layers, cache=cache,
-                                    position_ids=length + visible.sum(-1) - 1)
+        parents = torch.cat([torch.tensor([-1], device=device), parents])[None]  # node 0: the last token
+        depth = 0  # the deepest draft's level
+        mask = positions = None  # nothing to verify: a plain decoding step, as generate_plain's
+        if len(drafts):
+            visible = tree_ancestors(parents)  # a node sees its ancestors (a chain: causal)
+            mask = torch.cat([torch.ones(1, candidates.shape[1], length, dtype=torch.bool, device=device), visible], -1)
+            positions, depth = length + visible.sum(-1) - 1, int(visible.sum(-1).max()) - 1
+            mask = mask[:, None]
+        verifying = time.perf_counter()
+        aux, final = target.capture(candidates, mask, layers, cache=cache, position_ids=positions)
         target_logits = target.logits(final)
-        if sampler.greedy:
+        verified = time.perf_counter()
+        if not len(drafts):
+            path, accepted, bonus = torch.zeros(1, 1, dtype=torch.long, device=device), 0, sampler.draw(target_logits[:, 0])[0][0]
+        elif sampler.greedy:
             path, accepted, bonus = greedy_verify(target_logits, candidates, parents)
         else:
             nodes = candidates.shape[1]
-            draft_probs = torch.zeros(1, nodes, target.spec.vocab_size, device=device)
-            draft_probs[0, :, drafter.vocab.draft_ids.to(device)] = node_dists
             path, accepted, bonus = rejection_verify(sampler.probs(target_logits), draft_probs, candidates, parents,
                                                      sampler.uniforms(1, nodes, device=device),
                                                      sampler.uniforms(1, nodes, device=device))
         accepted = int(accepted)
         nodes = path[0, : accepted + 1]
+        new = candidates[0, nodes[1:]].tolist() + [int(bonus)]
         stats.target_forwards += 1
-        stats.count(int(visible.sum(-1).max()) - 1, accepted)
+        stats.count(depth, accepted)
+        stats.drafting_s += verifying - iteration
+        stats.verify_forward_s += verified - verifying
+        if planner:
+            planner.record_forward(candidates.shape[1], verified - verifying)
+            if head_drafts:
+                planner.record_head(head_drafts, common_prefix(head_chain, new), extended - drafted,
+                                    (proposed - extended) / (head_drafts - 1) if head_drafts > 1 else None)
+            if found:
+                planner.record_ngram(match, len(found), common_prefix(found, new))
         # the accepted path's target entries move to contiguous positions; the rest is dropped
-        if draft == "tree":
+        if accepted and int(nodes[-1]) != accepted:
             compact_kv_caches([(layer.keys, layer.values) for layer in cache.layers], (length + nodes)[None],
                               torch.tensor([length], device=device), torch.tensor([accepted + 1], device=device))
         rejected = cache.get_seq_length() - (length + accepted + 1)
         if rejected:
             cache.crop(-rejected)  # transformers 5: a negative count of tokens to drop
-        new = candidates[0, nodes[1:]].tolist() + [int(bonus)]
         last = bonus.view(1, 1)
-        feature, logits = drafter.extend(draft_cache, [a[:, nodes] for a in aux], torch.tensor([new], device=device))
+        if head:
+            pending.append(([a[:, nodes] for a in aux], torch.tensor([new], device=device)))
+        if lookup:
+            lookup.extend(new)
         tokens.extend(new)
         tokens, done = _finish(tokens, eos, max_new_tokens)
+        stats.bookkeeping_s += time.perf_counter() - verified
     stats.new_tokens = len(tokens)
     stats.seconds = time.perf_counter() - began
     return tokens, stats
+
+
+def common_prefix(drafts: list[int], committed: list[int]) -> int:
+    """How many of a source's chain of drafts the committed tokens accepted."""
+    count = 0
+    for draft, token in zip(drafts, committed[:-1]):  # the last committed token is the bonus
+        if draft != token:
+            break
+        count += 1
+    return count

@@ -6,7 +6,7 @@ import sys
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from drafters import precision
 from drafters.errors import UserError, entry_point
@@ -45,15 +45,29 @@ def sampler(cfg: DictConfig):
 def spec_options(cfg: DictConfig, target, drafter) -> dict:
     """generate_spec's keyword arguments from a serve/bench config (`cost_schedule` measures the
     target's verification cost here, once)."""
-    from serving.engine import measure_verify_cost
+    from serving.engine import NgramOptions, measure_verify_cost
+    from serving.schedule import AutoSchedule
 
-    if cfg.draft == "tree" and cfg.topk > drafter.vocab.draft_size:
+    if cfg.ngram.shortest > cfg.ngram.longest:
+        raise UserError(f"ngram.shortest={cfg.ngram.shortest} is above ngram.longest={cfg.ngram.longest}")
+    if cfg.draft == "hybrid" and cfg.temperature > 0 and cfg.schedule != "auto":
+        raise UserError("draft=hybrid samples only with schedule=auto (one source per forward): pass schedule=auto "
+                        "or temperature=0")
+    tree = cfg.draft == "tree" or (cfg.draft == "hybrid" and cfg.ngram.head == "tree")
+    if tree and cfg.topk > drafter.vocab.draft_size:
         raise UserError(f"topk={cfg.topk}: more children per node than the drafter's "
                         f"{drafter.vocab.draft_size}-token draft vocabulary")
-    most = min(cfg.steps, cfg.max_new_tokens) + 1  # the engine never drafts past max_new_tokens
-    verify_cost = measure_verify_cost(target, drafter.capture_layers(), most) if cfg.cost_schedule else None
+    if cfg.schedule == "auto" and tree:
+        raise UserError("schedule=auto schedules chains: pass draft=chain | ngram | hybrid with ngram.head=chain")
+    # the engine never drafts past max_new_tokens
+    most = min(cfg.steps + (cfg.ngram.length if cfg.schedule == "auto" else 0), cfg.max_new_tokens) + 1
+    layers = [] if cfg.draft == "ngram" else drafter.capture_layers()
+    measure = cfg.cost_schedule or cfg.schedule == "auto"
+    verify_cost = measure_verify_cost(target, layers, most) if measure else None
     return dict(draft=cfg.draft, steps=cfg.steps, min_confidence=cfg.min_confidence, depth=cfg.depth, topk=cfg.topk,
-                total=cfg.total_tokens, sampler=sampler(cfg), verify_cost=verify_cost)
+                total=cfg.total_tokens, sampler=sampler(cfg), verify_cost=verify_cost,
+                schedule=AutoSchedule(verify_cost, cfg.steps) if cfg.schedule == "auto" else None,
+                ngram=NgramOptions(**OmegaConf.to_container(cfg.ngram)))
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")

@@ -9,19 +9,30 @@ from drafters.settings import PRECISIONS, anything, at_least, between, one_of
 
 
 @dataclass
+class Ngram:
+    shortest: int = at_least(1)
+    longest: int = at_least(1)
+    branches: int = at_least(1)
+    length: int = at_least(1)
+    head: str = one_of("chain", "tree")
+
+
+@dataclass
 class Decoding:
     """What serving.run and serving.bench share: the artifact and how to decode with it."""
 
     artifact: str = anything()
     max_new_tokens: int = at_least(1)
     dtype: str = one_of(*PRECISIONS)
-    draft: str = one_of("chain", "tree")
+    draft: str = one_of("chain", "tree", "ngram", "hybrid")
     steps: int = at_least(1)
     min_confidence: float = between(0, 1)
     cost_schedule: bool = anything()
+    schedule: str = one_of("fixed", "auto")
     depth: int = at_least(1)
     topk: int = at_least(1)
     total_tokens: int = at_least(1)
+    ngram: Ngram = anything()
     temperature: float = at_least(0)
     top_p: float = between(0, 1)
     seed: int = anything()
@@ -39,4 +50,5 @@ class Bench(Decoding):
     n: int = at_least(1)
     tie_tolerance: float = at_least(0)
     prompt_lookup_tokens: int = at_least(0)
+    hf_plain: bool = anything()
     out: str = anything()

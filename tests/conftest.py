@@ -150,3 +150,14 @@ def lossless_accept_len(target, drafter, prompts: torch.Tensor, max_new_tokens: 
         assert spec == plain
         accept_lens.append(stats.accept_len)
     return sum(accept_lens) / len(accept_lens)
+
+
+def head_for(target, draft_size, seed=0):
+    """An untrained EAGLE-3 head: it drafts mostly wrong tokens, the hard case for losslessness."""
+    from drafters.base import build_drafter
+    from drafters.vocab import build_draft_vocab
+
+    stream = torch.randint(0, target.spec.vocab_size, (20000,), generator=torch.Generator().manual_seed(seed)).tolist()
+    vocab = build_draft_vocab([(stream, [1] * len(stream))], target.spec.vocab_size, draft_size, {"seed": seed})
+    torch.manual_seed(seed)
+    return build_drafter(compose_train().drafter, target, vocab).eval()

@@ -3,18 +3,8 @@
 import pytest
 import torch
 
-from conftest import PROMPTS, chat_ids, compose_train
-from drafters.base import build_drafter
-from drafters.vocab import build_draft_vocab
+from conftest import PROMPTS, chat_ids, head_for
 from serving.engine import generate_spec, generate_plain
-
-def head_for(target, draft_size, seed=0):
-    """An untrained EAGLE-3 head: it drafts mostly wrong tokens, the hard case for losslessness."""
-    stream = torch.randint(0, target.spec.vocab_size, (20000,), generator=torch.Generator().manual_seed(seed)).tolist()
-    vocab = build_draft_vocab([(stream, [1] * len(stream))], target.spec.vocab_size, draft_size, {"seed": seed})
-    torch.manual_seed(seed)
-    return build_drafter(compose_train().drafter, target, vocab).eval()
-
 
 @pytest.fixture(scope="module")
 def plain_outputs(tiny_target):

@@ -14,6 +14,7 @@ from drafters.base import build_drafter
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab
 from serving.engine import Sampler, generate_plain, generate_spec
+from serving.schedule import AutoSchedule
 
 VOCAB, PROMPT = 8, torch.tensor([[1, 5, 3, 7]])
 
@@ -64,12 +65,15 @@ def encode(tokens: list[int]) -> int:
 
 
 @pytest.mark.statistical
-# a chain at T=1 over 1e5 runs; top-p + dynamic draft length and a sampled tree (i.i.d. children,
-# duplicates included) over fewer runs to keep CI short
+# a chain at T=1 over 1e5 runs; top-p + dynamic draft length, a sampled tree (i.i.d. children,
+# duplicates included) and n-gram drafts over fewer runs to keep CI short
 @pytest.mark.parametrize("temperature,top_p,options,draws", [
     (1.0, 1.0, dict(steps=2), 100_000),
     (0.7, 0.8, dict(steps=2, min_confidence=0.3), 10_000),
     (1.0, 1.0, dict(draft="tree", depth=2, topk=2, total=5), 10_000),
+    (1.0, 1.0, dict(draft="ngram"), 10_000),  # copied drafts, each a point mass
+    # one source per forward, or none (a plain step), chosen from earlier tokens only
+    (1.0, 1.0, dict(draft="hybrid", steps=2, schedule=AutoSchedule([0.0, 1.0, 1.05, 1.1, 1.15, 1.2], steps=2)), 10_000),
 ])
 def test_spec_sampling_matches_target_distribution(small_vocab, one_thread, temperature, top_p, options, draws):
     target, drafter = small_vocab

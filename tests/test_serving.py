@@ -8,12 +8,11 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS, chat_ids, compose_train
+from conftest import PROMPTS, chat_ids, compose_train, head_for
 from drafters.errors import UserError
 from drafters.target import load_target
 from serving import artifact
 from serving.engine import generate_spec, generate_plain
-from test_engine import head_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
