@@ -160,7 +160,8 @@ def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
 def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out"):
     """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
 
-    An existing `out` is refused, or with `overwrite` replaced only after the new one is complete
+    An existing `out` is refused, or with `overwrite` (when it is empty or an artifact or model
+    dir: it holds a config.json) replaced only after the new one is complete
     (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
     removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
     """
@@ -171,6 +172,10 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
                         "once the new one is completely written)")
     if os.path.islink(out) or os.path.lexists(out) and not os.path.isdir(out):
         raise UserError(f"{key} {out} is a file or a link, not a directory it can replace")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and "config.json" not in held:  # every artifact and model dir has one; a user's folder need not
+        raise UserError(f"{key} {out} is not an artifact or model dir (no config.json; it holds "
+                        f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): overwrite=true replaces only those")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     remove_stale_partials(out)
     partial = temp_beside(out)

@@ -217,6 +217,7 @@ CASES = [
                                                   "target.random_init.hidden_size=128", "target.random_init.head_dim=32"],
      "a head of hidden_size=64, made for another target: the target tiny-llama has hidden_size=128"),
     ("export_verifier_missing", "export.run", ["checkpoint={root}/artifact", "format=speculators", "out={tmp}/x", "verifier={tmp}/nope"], "no such model directory"),
+    ("export_overwrite_a_folder_of_user_files", "export.run", ["checkpoint={root}/artifact", "out={root}/files", "overwrite=true"], "is not an artifact or model dir"),
     ("export_format_unknown", "export.run", ["checkpoint={run}/checkpoints/latest", "format=onnx", "out={tmp}/x"], "onnx"),
     ("export_steps_zero", "export.run", ["checkpoint={run}/checkpoints/latest", "out={tmp}/x", "steps=0"], "steps=0: must be >= 1"),
     ("export_no_checkpoint", "export.run", ["out={tmp}/x"], "checkpoint is required"),

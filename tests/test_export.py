@@ -255,13 +255,14 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path):
 def test_out_is_refused_or_replaced_whole(checkpoint, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("old")
+    (out / "config.json").write_text("old")  # a previous artifact
     with pytest.raises(UserError, match="already exists"):
         run_export(checkpoint=checkpoint, out=out)
     bad = edited_copy(checkpoint, tmp_path / "bad", weights=lambda w: w.pop("d2t"))
     with pytest.raises(UserError, match="missing weights \\['d2t'\\]"):
         run_export(checkpoint=bad, out=out, overwrite="true")
-    assert os.listdir(out) == ["keep.txt"]  # a failed export leaves the old out as it was
+    assert os.listdir(out) == ["config.json"]  # a failed export leaves the old out as it was
+    assert (out / "config.json").read_text() == "old"
     run_export(checkpoint=checkpoint, out=out, overwrite="true")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["bad", "out"]  # no temp dirs left behind
