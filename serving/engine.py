@@ -163,7 +163,7 @@ class NgramOptions:
     shortest: int = 1  # the shortest suffix match that proposes
     longest: int = 4  # the longest suffix looked up (the longest match wins)
     branches: int = 1  # different continuations merged into one trie
-    length: int = 7  # tokens per continuation
+    length: int = 10  # tokens per continuation
     head: str = "chain"  # draft=hybrid: the head's proposal the n-gram branches join (chain | tree)
 
 
