@@ -154,6 +154,10 @@ def read(path: str) -> SavedDrafter:
             raise UserError(f"artifact {path}: {CONFIG_FILE} is not a specdraft native artifact; convert it first: "
                             f"python -m export.run checkpoint={path} format=native out=<dir>")
     else:
+        for inner in ("checkpoints/latest", "latest"):  # a run dir or its checkpoints/ dir
+            if os.path.isfile(os.path.join(path, inner, STATE_FILE)):
+                raise UserError(f"artifact {path} holds training checkpoints: pass one of them, "
+                                f"e.g. {os.path.join(path, inner)}")
         raise UserError(f"artifact {path} is incomplete: missing {STATE_FILE} (training checkpoint) "
                         f"or {CONFIG_FILE} (native artifact)")
     if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
@@ -205,8 +209,9 @@ def start_from(path: str, cfg: DictConfig, target) -> tuple[Drafter, DraftVocab,
     saved.check_target(target.spec, path)
     saved.check_weights(path)
     vocab = saved.vocab()
-    drafter = build_drafter(OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), **saved.hparams}),
-                            target, vocab)
+    settings_of = {spec.name for spec in fields(drafter_class(saved.drafter).Settings)}  # the rest is derived
+    chosen = {name: value for name, value in saved.hparams.items() if name in settings_of}
+    drafter = build_drafter(OmegaConf.create({**OmegaConf.to_container(cfg, resolve=True), **chosen}), target, vocab)
     drafter.load_state_dict(saved.weights)
     digest = hashlib.sha256(vocab.d2t.numpy().tobytes() + vocab.t2d.numpy().tobytes()).hexdigest()[:16]
     return drafter, vocab, {"init_from_vocab": digest}

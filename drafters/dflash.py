@@ -30,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from drafters import settings
 from drafters.base import Captured, register
 from drafters.errors import UserError
-from drafters.layers import DraftLayer, add_fused_head, copy_target_head, draft_layer_config
+from drafters.layers import DraftLayer, KVBuffer, add_fused_head, copy_target_head, draft_layer_config
 from drafters.losses import trained_positions
 from drafters.proposal import ParallelDrafter
 from drafters.settings import above, anything, at_least
@@ -56,23 +56,16 @@ class ContextCache:
     positions), cropped back to the committed tokens after each verification."""
 
     def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.layers = [KVBuffer() for _ in range(num_layers)]
         self.last_token: torch.Tensor | None = None  # [B, 1] the block's anchor (DSpark's first Markov input)
 
     @property
     def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[-2]
-
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        old_k, old_v = self.keys[layer], self.values[layer]
-        self.keys[layer] = k if old_k is None else torch.cat([old_k, k], -2)
-        self.values[layer] = v if old_v is None else torch.cat([old_v, v], -2)
+        return self.layers[0].length
 
     def crop(self, length: int) -> None:
-        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is not None:
-                self.keys[layer], self.values[layer] = k[..., :length, :], v[..., :length, :]
+        for layer in self.layers:
+            layer.crop(length)
 
 
 @dataclass
@@ -246,11 +239,11 @@ class DFlash(ParallelDrafter):
         context = self.context(aux)
         positions = torch.arange(start, start + context.shape[1], device=context.device)[None]
         for layer, (k, v) in enumerate(self.context_kv(context, positions)):
-            cache.append(layer, k, v)
+            cache.layers[layer].append(k, v)
         cache.last_token = next_tokens[:, -1:]
         anchor = cache.length  # the last committed token's position: the context ends right before it
         positions = torch.arange(anchor, anchor + self.block_size, device=context.device)[None]
-        return self.run_block(self.block_tokens(cache.last_token[:, 0]), positions, list(zip(cache.keys, cache.values)))
+        return self.run_block(self.block_tokens(cache.last_token[:, 0]), positions, [(layer.keys, layer.values) for layer in cache.layers])
 
     @torch.no_grad()
     def extend(self, cache: ContextCache, aux: list[torch.Tensor], next_tokens: torch.Tensor):

@@ -149,30 +149,50 @@ def copy_target_head(drafter: nn.Module, target: Target) -> None:
         drafter.norm.weight.copy_(target.model.model.norm.weight.float())
 
 
-class DraftCache:
-    """A drafter's own KV cache at serving time: [B, heads, L, D] keys/values, cropped after each
-    verification to the entries backed by accepted tokens."""
+class KVBuffer:
+    """Keys and values [B, heads, L, D] in preallocated storage written by position (gpt-fast's
+    KVCache): an append copies only the new entries, a crop only moves the end; the storage doubles
+    when it fills."""
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.length = 0
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
 
     @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[..., : self.length, :]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[..., : self.length, :]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        start, end = self.length, self.length + k.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2]:
+            capacity = max(2 * end, 256)
+            keys, values = (new.new_empty(*new.shape[:-2], capacity, new.shape[-1]) for new in (k, v))
+            if start:
+                keys[..., :start, :], values[..., :start, :] = self.keys, self.values
+            self._keys, self._values = keys, values
+        self._keys[..., start:end, :], self._values[..., start:end, :] = k, v
+        self.length = end
 
     def crop(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[..., :length, :], self.values[..., :length, :]
+        self.length = min(self.length, length)
+
+
+class DraftCache(KVBuffer):
+    """A drafter's own KV cache at serving time, cropped after each verification to the entries
+    backed by accepted tokens."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
         """Append the new entries, then attention of the new queries over the whole cache: causal,
         or `mask` [new, total] (True = visible) for tree drafting."""
         start = self.length
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], -2)
-        self.values = v if self.values is None else torch.cat([self.values, v], -2)
-        if mask is None:
-            mask = torch.ones(q.shape[-2], self.keys.shape[-2], dtype=torch.bool, device=q.device).tril(start)
+        self.append(k, v)
+        if mask is None and q.shape[-2] > 1:  # one query sees every entry: no mask needed
+            mask = torch.ones(q.shape[-2], self.length, dtype=torch.bool, device=q.device).tril(start)
         return torch.nn.functional.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from drafters.base import Drafter, greedy_draw
 from drafters.layers import DraftCache
+from kernels import tree_ancestors
 
 
 class StepDrafter(Drafter):
@@ -99,16 +100,9 @@ class StepDrafter(Drafter):
         cached: list[int] = []  # tree nodes with an entry in the drafter cache, in cache order
         for level in range(1, depth):
             # each frontier node sees the context, its cached ancestors and itself
-            mask = torch.zeros(len(frontier), context + len(cached) + len(frontier), dtype=torch.bool, device=device)
-            mask[:, :context] = True
-            for row, node in enumerate(frontier):
-                ancestors, up = set(), parent_of[node]
-                while up > 0:
-                    ancestors.add(up)
-                    up = parent_of[up]
-                for column, other in enumerate(cached):
-                    mask[row, context + column] = other in ancestors
-                mask[row, context + len(cached) + row] = True
+            sees = tree_ancestors(torch.tensor(parent_of, device=device)[None])[0]  # [node, node]: itself or an ancestor
+            mask = torch.cat([torch.ones(len(frontier), context, dtype=torch.bool, device=device),
+                              sees[torch.tensor(frontier, device=device)][:, torch.tensor(cached + frontier, device=device)]], 1)
             tokens = torch.cat(node_tokens)[torch.tensor(frontier, device=device) - 1]
             positions = torch.full((1, len(frontier)), context + level - 1, device=device)
             features, step_logits = self.step(cache, (tokens + self.d2t[tokens])[None], frontier_features, positions, mask)

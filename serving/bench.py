@@ -51,6 +51,41 @@ def hf_generate(target, ids, cfg, lookup_tokens: int | None) -> tuple[int, int, 
     return out.shape[1] - ids.shape[1], len(forwards), time.perf_counter() - began
 
 
+def weights_read(model: torch.nn.Module, run) -> int:
+    """Bytes of `model`'s weights that `run()` reads: every parameter of each module it calls, once
+    per call (an embedding: only the rows it gathers)."""
+    total = 0
+
+    def count(module, args):
+        nonlocal total
+        if isinstance(module, torch.nn.Embedding):
+            total += args[0].numel() * module.weight[0].nbytes
+        else:
+            total += sum(p.nbytes for p in module.parameters(recurse=False))
+
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return total
+
+
+def alpha_floor(target, drafter, ids, steps: int) -> float:
+    """A head draft's memory-traffic floor relative to a target forward: the weight bytes the head
+    reads per draft (context extension included, as `alpha` counts it) over those one target
+    forward reads, over one chain of `steps` drafts at a time. Decoding at batch 1 is bound by
+    reading the weights, so `alpha / alpha_floor` is how far a draft step is from what it must cost."""
+    from serving.engine import generate_plain, generate_spec
+
+    plain, spec = [], []  # the runs' Stats
+    target_bytes = weights_read(target.model, lambda: plain.append(generate_plain(target, ids, 8, set())[1]))
+    head_bytes = weights_read(drafter, lambda: spec.append(
+        generate_spec(target, drafter, ids, 8, set(), draft="chain", steps=steps)[1]))
+    return (head_bytes / spec[0].head_drafts) / (target_bytes / plain[0].target_forwards)
+
+
 def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
     from serving.engine import generate_spec, generate_plain
     from serving.run import chat_prompt, sampler
@@ -169,11 +204,16 @@ def main(cfg: DictConfig) -> None:
     stems = [os.path.basename(name) for name in names]  # the results' keys
     if len(set(stems)) < len(stems):
         raise UserError(f"prompts={list(names)}: names the same set twice")
-    out, stem = str(cfg.out), os.path.splitext(str(cfg.out))[0]
+    out, (stem, extension) = str(cfg.out), os.path.splitext(str(cfg.out))
+    if extension != ".json":  # the plot and the config go beside it as <stem>.png and <stem>.yaml
+        raise UserError(f"out={out}: must name a .json file (the plot and config are written beside it)")
     for path in (out, f"{stem}.png", f"{stem}.yaml"):  # before the benchmark's minutes, not after
         check_writable(path)
         check_destination(path, (str(cfg.artifact),))
     sets = {name: load_prompts(name, cfg.n) for name in names}
+    for name, prompts in sets.items():
+        if len(prompts) < cfg.n:
+            print(f"note: {name} holds {len(prompts)} prompts; n={cfg.n} runs all of them")
     target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
     for name, prompts in sets.items():
         for number, text in enumerate(prompts, 1):
@@ -182,6 +222,7 @@ def main(cfg: DictConfig) -> None:
     chosen = announce_precision(cfg)
     generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
     options = spec_options(cfg, target, drafter)
+    floor = alpha_floor(target, drafter, chat_prompt(target.tokenizer, sets[names[0]][0]), cfg.steps) if cfg.draft != "ngram" else None
     results = {
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": chosen.name, "dtype_requested": cfg.dtype,
                    "draft": cfg.draft, "schedule": cfg.schedule,
@@ -192,10 +233,12 @@ def main(cfg: DictConfig) -> None:
                    "prompt_lookup_tokens": cfg.prompt_lookup_tokens, "hf_plain": cfg.hf_plain,
                    "ngram": OmegaConf.to_container(cfg.ngram)},
         "hardware": chosen.hardware.to_dict(),
+        "alpha_floor": floor,
         "datasets": {},
     }
     for name, prompts in sets.items():
         results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg, options)
+        result["alpha_over_floor"] = result["alpha"] / floor if result["alpha"] and floor else None
         same = (f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}"
                 if result["identical"] is not None else "sampled (outputs not compared)")
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "

@@ -92,6 +92,20 @@ def test_bench_json_interface(checkpoint, tmp_path):
     assert len(entry["accept_rate_by_pos"]) == 3 and entry["accept_len"] >= 1.0
     assert entry["tokens_per_s_prompt_lookup"] > 0 and entry["speedup_over_prompt_lookup"] > 0
     assert (tmp_path / "res.png").exists()
+    assert 0 < report["alpha_floor"] < 2 and entry["alpha_over_floor"] > 0
+
+
+def test_weights_read_counts_each_call_and_only_gathered_embedding_rows():
+    import torch
+
+    from serving.bench import weights_read
+
+    torch.manual_seed(0)
+    embed, linear = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 4)
+    model = torch.nn.ModuleDict({"embed": embed, "linear": linear})
+    tokens = torch.tensor([[3, 5, 7]])
+    read = weights_read(model, lambda: [linear(embed(tokens)), linear(embed(tokens[:, :1]))])
+    assert read == (3 + 1) * 8 * 4 + 2 * (8 * 4 + 4) * 4  # 4 rows of 8 floats; the linear twice, bias included
 
 
 def test_bench_refuses_an_out_it_could_not_write_before_benchmarking(checkpoint, tmp_path):

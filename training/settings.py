@@ -67,12 +67,15 @@ class Data:
 @dataclass
 class Logger:
     name: str = one_of("wandb", "none")
+    project: str | None = anything()
     mode: str | None = one_of("offline", "online", "disabled")
 
 
 @dataclass
 class Distributed:
     name: str = one_of("none", "ddp", "fsdp", "zero2", "zero3")
+    fsdp: dict | None = anything()  # Accelerate's FSDP plugin settings, passed as they are
+    deepspeed: dict | None = anything()  # a DeepSpeed config, passed as it is
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Train:
     distributed: Distributed = anything()
     launch: Launch = anything()
     target: settings.Target = anything()
+    drafter: dict = anything()  # its family's Settings (drafters/base.py: check_settings)
 
 
 def check(cfg: DictConfig) -> None:
