@@ -90,9 +90,10 @@ class DSpark(DFlash):
     # Markov bias once the token before it is drawn
 
     @torch.no_grad()
-    def propose_chain(self, cache: ContextCache, feature, logits, steps: int, draw=None):
+    def propose_chain(self, cache: ContextCache, feature, logits, steps: int, draw=None, stop=None):
         """Slot k's draft from its logits plus the Markov bias of the draft before it (slot 1: the last
-        committed token), with the distribution it was drawn from and the confidence head's estimate."""
+        committed token), with the distribution it was drawn from and the confidence head's estimate
+        (one block forward made the slots: `stop` is not asked, as in ParallelDrafter)."""
         draw = draw or greedy_draw
         previous = cache.last_token[:, 0]
         tokens, dists, confidences = [], [], []

@@ -53,20 +53,25 @@ class StepDrafter(Drafter):
         return feature[:, -1:], logits[:, -1:]
 
     @torch.no_grad()
-    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
-        """A chain of `steps` drafts (target ids) from the last context entry, feeding the drafter's
-        own feature back (what TTT trained for). `draw(logits) -> (draft ids, distribution)` picks
-        each draft (default: greedy); also returns the distributions [B, steps, V_draft] they came
-        from and the confidences [B, steps] (each distribution's top probability)."""
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None, stop=None):
+        """A chain of up to `steps` drafts (target ids) from the last context entry, feeding the
+        drafter's own feature back (what TTT trained for). `draw(logits) -> (draft ids,
+        distribution)` picks each draft (default: greedy); `stop(confidences so far) -> bool`, asked
+        after each draft (batch 1), ends the chain early. Also returns the distributions
+        [B, drafts, V_draft] they came from and the confidences [B, drafts] (each distribution's top
+        probability)."""
         draw = draw or greedy_draw
-        tokens, dists = [], []
+        tokens, dists, confidences = [], [], []
         for i in range(steps):
             draft, dist = draw(logits[:, -1])
             token = draft + self.d2t[draft]
             tokens.append(token)
             dists.append(dist)
-            if i + 1 < steps:
-                feature, logits = self.step(cache, token[:, None], feature, self.positions(cache.length, token[:, None]))
+            if stop:
+                confidences.append(float(dist.amax()))
+            if i + 1 == steps or (stop and stop(confidences)):
+                break
+            feature, logits = self.step(cache, token[:, None], feature, self.positions(cache.length, token[:, None]))
         dists = torch.stack(dists, 1)
         return torch.stack(tokens, 1), dists, dists.amax(-1)
 
@@ -147,11 +152,12 @@ class ParallelDrafter(Drafter):
     the Cartesian tree of their top-k tokens."""
 
     @torch.no_grad()
-    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None):
+    def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None, stop=None):
         """Position k's token as draft k, for the first min(steps, K) positions (target ids [B, k]),
         with the distributions they were drawn from [B, k, V_draft] and their top probabilities as
         confidences. Every position draws on its own, which is what rejection sampling needs: each
-        draft comes from a distribution fixed before it."""
+        draft comes from a distribution fixed before it. One forward made them all: `stop` is
+        not asked (the caller cuts the chain by the confidences)."""
         drafts, dists = (draw or greedy_draw)(logits[:, :steps])
         return drafts + self.d2t[drafts], dists, dists.amax(-1)
 

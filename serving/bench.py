@@ -83,7 +83,7 @@ def alpha_floor(target, drafter, ids, steps: int) -> float:
     target_bytes = weights_read(target.model, lambda: plain.append(generate_plain(target, ids, 8, set())[1]))
     head_bytes = weights_read(drafter, lambda: spec.append(
         generate_spec(target, drafter, ids, 8, set(), draft="chain", steps=steps)[1]))
-    return (head_bytes / spec[0].head_drafts) / (target_bytes / plain[0].target_forwards)
+    return (head_bytes / spec[0].head_drafted) / (target_bytes / plain[0].target_forwards)
 
 
 def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
@@ -92,7 +92,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
 
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
-              "drafting_s": 0.0, "verify_forward_s": 0.0, "bookkeeping_s": 0.0, "head_drafts": 0,
+              "drafting_s": 0.0, "verify_forward_s": 0.0, "bookkeeping_s": 0.0, "head_drafted": 0,
               **{f"{kind}_{what}": 0 for kind in ("lookup", "hf_plain") for what in ("s", "tokens", "forwards")}}
     proposed, accepted, outcomes, gaps = [], [], [], []
     plain_sampler = sampler(cfg)
@@ -118,7 +118,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         totals["spec_s"] += spec_stats.seconds
         totals["spec_tokens"] += spec_stats.new_tokens
         totals["forwards"] += spec_stats.target_forwards
-        for key in ("drafting_s", "verify_forward_s", "bookkeeping_s", "head_drafts"):
+        for key in ("drafting_s", "verify_forward_s", "bookkeeping_s", "head_drafted"):
             totals[key] += getattr(spec_stats, key)
         for k, (p, a) in enumerate(zip(spec_stats.proposed_by_pos, spec_stats.accepted_by_pos)):
             if k == len(proposed):
@@ -149,9 +149,10 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         # per speculative iteration (one verification forward each), in milliseconds
         "ms_per_iteration": {key.removesuffix("_s"): 1000 * totals[key] / iterations
                              for key in ("drafting_s", "verify_forward_s", "bookkeeping_s")},
-        # alpha: one head draft's cost relative to a plain target forward (our plain loop's per token)
-        "alpha": (totals["drafting_s"] / totals["head_drafts"]) / (totals["plain_s"] / totals["plain_tokens"])
-        if totals["head_drafts"] else None,
+        # alpha: one head draft's cost relative to a plain target forward (our plain loop's per token),
+        # over the drafts the head computed (verified or cut)
+        "alpha": (totals["drafting_s"] / totals["head_drafted"]) / (totals["plain_s"] / totals["plain_tokens"])
+        if totals["head_drafted"] else None,
         "new_tokens_spec": totals["spec_tokens"],
         "new_tokens_plain": totals["plain_tokens"],
     }

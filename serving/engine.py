@@ -76,7 +76,8 @@ class Stats:
     drafting_s: float = 0.0  # the head's context extension and draft steps, n-gram lookups
     verify_forward_s: float = 0.0  # the target's verification forwards (lm_head included)
     bookkeeping_s: float = 0.0  # tree mask, verify kernel, cache compaction, committing tokens
-    head_drafts: int = 0  # drafts the head proposed
+    head_drafts: int = 0  # drafts of the head verified
+    head_drafted: int = 0  # drafts the head computed (a confidence cut drops some before verification)
 
     @property
     def accept_len(self) -> float:
@@ -221,12 +222,14 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         found, found_parents, match = lookup.propose(min(ngram.length, remaining), branches) if lookup else ([], [], 0)
         if planner:
             head_drafts, ngram_drafts = planner.plan(head is not None, len(found), match, both=sampler.greedy)
+            head_drafts = min(head_drafts, remaining)
             found, found_parents = found[:ngram_drafts], found_parents[:ngram_drafts]  # a chain: a prefix
         else:
             head_drafts = min(depth if proposal == "tree" else steps, remaining) if head else 0
         drafts = parents = torch.zeros(0, dtype=torch.long, device=device)
         draft_probs = None  # sampling: [1, nodes, V] the distribution each node's children came from
-        if head_drafts:
+        head_ran = bool(head_drafts)
+        if head_ran:
             drafted = time.perf_counter()
             aux_context = [torch.cat(parts, 1) for parts in zip(*(a for a, _ in pending))]
             feature, logits = head.extend(draft_cache, aux_context, torch.cat([t for _, t in pending], 1))
@@ -234,10 +237,17 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             if proposal == "tree":
                 drafts, parents, node_dists = head.propose_tree(draft_cache, feature, logits, head_drafts, topk, total,
                                                                 None if sampler.greedy else sampler.draw)
+                stats.head_drafted += len(drafts)
             else:  # a drafter may offer fewer (Medusa: one per head)
-                drafts, dists, confidence = head.propose_chain(draft_cache, feature, logits, head_drafts, sampler.draw)
-                keep = head_drafts if planner else scheduled_length(confidence[0], min_confidence, verify_cost)
-                drafts, parents = drafts[0, :keep], torch.arange(keep, device=device)
+                stop = (lambda confidences: planner.stop(confidences, len(found))) if planner else None
+                drafts, dists, confidence = head.propose_chain(draft_cache, feature, logits, head_drafts, sampler.draw,
+                                                               stop)
+                steps_run = drafts.shape[1] - 1
+                stats.head_drafted += drafts.shape[1]
+                confidences = confidence[0].tolist()
+                keep = (planner.cut(confidences, len(found)) if planner
+                        else scheduled_length(confidence[0], min_confidence, verify_cost))
+                drafts, parents, confidences = drafts[0, :keep], torch.arange(keep, device=device), confidences[:keep]
                 node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
             draft_cache.crop(length)  # drop the drafter's speculative entries
             if not sampler.greedy:
@@ -255,9 +265,11 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         candidates = torch.cat([last, drafts[None]], 1)
         parents = torch.cat([torch.tensor([-1], device=device), parents])[None]  # node 0: the last token
         depth = 0  # the deepest draft's level
-        mask = positions = None  # nothing to verify: a plain decoding step, as generate_plain's
-        if len(drafts):
-            visible = tree_ancestors(parents)  # a node sees its ancestors (a chain: causal)
+        mask = positions = None  # a plain step or a chain: the target's own causal mask and positions
+        if len(drafts) and bool((parents[0, 1:] == torch.arange(len(drafts), device=device)).all()):
+            depth = len(drafts)  # a chain, verified as measure_verify_cost timed it
+        elif len(drafts):
+            visible = tree_ancestors(parents)  # a node sees its ancestors
             mask = torch.cat([torch.ones(1, candidates.shape[1], length, dtype=torch.bool, device=device), visible], -1)
             positions, depth = length + visible.sum(-1) - 1, int(visible.sum(-1).max()) - 1
             mask = mask[:, None]
@@ -283,9 +295,9 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         stats.verify_forward_s += verified - verifying
         if planner:
             planner.record_forward(candidates.shape[1], verified - verifying)
-            if head_drafts:
-                planner.record_head(head_drafts, common_prefix(head_chain, new), extended - drafted,
-                                    (proposed - extended) / (head_drafts - 1) if head_drafts > 1 else None)
+            if head_ran:
+                planner.record_head(confidences, common_prefix(head_chain, new), extended - drafted,
+                                    (proposed - extended) / steps_run if steps_run else None)
             if found:
                 planner.record_ngram(match, len(found), common_prefix(found, new))
         # the accepted path's target entries move to contiguous positions; the rest is dropped
@@ -302,7 +314,11 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             lookup.extend(new)
         tokens.extend(new)
         tokens, done = _finish(tokens, eos, max_new_tokens)
-        stats.bookkeeping_s += time.perf_counter() - verified
+        finished = time.perf_counter()
+        stats.bookkeeping_s += finished - verified
+        if planner:  # what the iteration cost besides the verification forward and the head
+            planner.record_overhead(len(drafts) > 0, (verifying - iteration) + (finished - verified)
+                                    - ((proposed - drafted) if head_ran else 0.0))
     stats.new_tokens = len(tokens)
     stats.seconds = time.perf_counter() - began
     return tokens, stats

@@ -88,7 +88,7 @@ def test_auto_schedule_stops_running_a_useless_head_and_probes_it_ever_less():
         head_drafts, ngram_drafts = schedule.plan(True, 3, match=2)
         heads.append(head_drafts)
         if head_drafts:
-            schedule.record_head(head_drafts, 0, call_seconds=0.2, step_seconds=0.2)
+            schedule.record_head([0.5] * head_drafts, 0, call_seconds=0.2, step_seconds=0.2)
         schedule.record_ngram(2, ngram_drafts, ngram_drafts)  # every n-gram draft accepted
     assert sum(heads[-150:]) <= 3  # probes only, at intervals that have grown to 64
     assert schedule.plan(True, 3, match=2)[1] == 3
@@ -98,9 +98,20 @@ def test_auto_schedule_drafts_long_chains_from_a_head_that_is_always_right():
     schedule = AutoSchedule(COST, steps=6)
     for _ in range(50):
         head_drafts, _ = schedule.plan(True, 0, match=0)
-        schedule.record_head(head_drafts, head_drafts, call_seconds=0.01, step_seconds=0.01)
+        schedule.record_head([0.9] * head_drafts, head_drafts, call_seconds=0.01, step_seconds=0.01)
     assert schedule.plan(True, 0, match=0) == (6, 0)
     assert schedule.plan(True, 0, match=0, both=False) == (6, 0)
+
+
+def test_auto_schedule_verifies_the_head_drafts_its_calibrated_confidences_pay_for():
+    schedule = AutoSchedule(COST, steps=6)
+    for _ in range(100):  # confident drafts are accepted, unsure ones are not
+        schedule.plan(True, 0, match=0)
+        schedule.record_head([0.9, 0.9, 0.2], 2, call_seconds=0.01, step_seconds=0.01)
+    assert schedule.calibration.rate(0.95) > 0.95 and schedule.calibration.rate(0.25) < 0.05
+    assert schedule.plan(True, 0, match=0) == (6, 0)  # a head that runs may draft up to `steps`
+    assert schedule.cut([0.9, 0.9, 0.9, 0.2, 0.9], 0) == 3
+    assert not schedule.stop([0.9, 0.9], 0) and schedule.stop([0.9, 0.2], 0)
 
 
 def test_auto_schedule_with_one_source_when_sampling():
@@ -108,7 +119,7 @@ def test_auto_schedule_with_one_source_when_sampling():
     for _ in range(20):
         head_drafts, ngram_drafts = schedule.plan(True, 4, match=3, both=False)
         assert not (head_drafts and ngram_drafts)
-        schedule.record_head(max(head_drafts, 1), 1, call_seconds=0.01, step_seconds=0.01)
+        schedule.record_head([0.9] * max(head_drafts, 1), 1, call_seconds=0.01, step_seconds=0.01)
         schedule.record_ngram(3, ngram_drafts, ngram_drafts)
 
 
