@@ -4,8 +4,8 @@ is allowed.
 
 A schema is a dataclass whose fields are the keys of one config node: the annotation is the type
 (`int`, `float`, `bool`, `str`, `list[int]`, `dict` for a free-form node, another schema for a
-nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of`
-give the range. Defaults stay in the YAML: a schema only says what is allowed.
+nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of` /
+`nonempty` give the range. Defaults stay in the YAML: a schema only says what is allowed.
 
     @dataclass
     class Trainer:
@@ -16,6 +16,7 @@ give the range. Defaults stay in the YAML: a schema only says what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -34,8 +35,11 @@ class Allowed:
     high: float | None = None
     open_low: bool = False
     choices: tuple = ()
+    nonempty: bool = False
 
     def problem(self, value) -> str | None:
+        if self.nonempty:
+            return None if str(value).strip() else "must not be empty"
         if self.choices:
             return None if value in self.choices else f"must be one of {' | '.join(map(str, self.choices))}"
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
@@ -58,12 +62,16 @@ def above(low: float):
     return _rule(Allowed(low=low, open_low=True))
 
 
-def between(low: float, high: float):
-    return _rule(Allowed(low=low, high=high))
+def between(low: float, high: float, open_low: bool = False):
+    return _rule(Allowed(low=low, high=high, open_low=open_low))
 
 
 def one_of(*choices):
     return _rule(Allowed(choices=choices))
+
+
+def nonempty():
+    return _rule(Allowed(nonempty=True))
 
 
 def anything():
@@ -121,15 +129,15 @@ def _check_value(key: str, value, kind, allowed: Allowed | None) -> None:
 def _is(value, kind) -> bool:
     if kind is dict:
         return isinstance(value, DictConfig)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:  # nan and inf pass no range check, so they are refused here
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)
 
 
 def _describe(kind, allowed: Allowed | None) -> str:
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a group of settings"}
+    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", dict: "a group of settings"}
     what = names.get(kind, getattr(kind, "__name__", str(kind)))
     if allowed and allowed.choices:
         return f"one of {' | '.join(map(str, allowed.choices))}"

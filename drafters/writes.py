@@ -40,7 +40,7 @@ def check_destination(out: str, protect: tuple[str, ...] = (), key: str = "out")
         source = os.path.realpath(path)
         if _within(real, source) or _within(source, real):
             raise UserError(f"{key} {out} would overwrite {path}" + (f" (both are {source})" if real == source else ""))
-    check_not_in_checkpoint(out, key)
+    check_not_in_saved(out, key, may_be_model_dir=True)  # export overwrite=true replaces an artifact
     for inner in (real, os.path.join(real, "checkpoints")):  # out holds a run's checkpoints (run dir or its checkpoints/)
         if holds_checkpoints(inner):
             raise UserError(f"{key} {out} would overwrite the training checkpoints in {inner}")
@@ -51,12 +51,21 @@ def holds_checkpoints(directory: str) -> bool:
                                             for entry in os.listdir(directory))
 
 
-def check_not_in_checkpoint(path: str, key: str) -> None:
-    """Refuse a `path` that, symlinks followed, is or lies inside a training checkpoint."""
-    probe = os.path.realpath(path)
+def is_model_dir(directory: str) -> bool:
+    """An artifact or HF model dir: a config.json beside safetensors weights."""
+    return (os.path.isfile(os.path.join(directory, "config.json"))
+            and any(entry.endswith(".safetensors") for entry in os.listdir(directory)))
+
+
+def check_not_in_saved(path: str, key: str, may_be_model_dir: bool = False) -> None:
+    """Refuse a `path` that, symlinks followed, is or lies inside a training checkpoint, or lies
+    inside (or, unless `may_be_model_dir`, is) an artifact or model dir."""
+    real = probe = os.path.realpath(path)
     while True:
         if os.path.isfile(os.path.join(probe, STATE_FILE)):
             raise UserError(f"{key} {path} would overwrite the training checkpoint {probe}")
+        if os.path.isdir(probe) and (probe != real or not may_be_model_dir) and is_model_dir(probe):
+            raise UserError(f"{key} {path} would write into the artifact or model dir {probe}")
         if os.path.dirname(probe) == probe:
             break
         probe = os.path.dirname(probe)
@@ -156,15 +165,9 @@ def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
             os.remove(partial)
 
 
-@contextmanager
-def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out"):
-    """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
-
-    An existing `out` is refused, or with `overwrite` (when it is empty or an artifact or model
-    dir: it holds a config.json) replaced only after the new one is complete
-    (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
-    removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
-    """
+def check_directory_destination(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out",
+                                model: bool = False) -> None:
+    """What `atomic_directory` refuses, checked on its own so that a command can refuse it before any work."""
     check_destination(out, protect, key)
     out = os.path.abspath(out)
     if os.path.lexists(out) and not overwrite:
@@ -176,6 +179,24 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
     if held and "config.json" not in held:  # every artifact and model dir has one; a user's folder need not
         raise UserError(f"{key} {out} is not an artifact or model dir (no config.json; it holds "
                         f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): overwrite=true replaces only those")
+    has_tokenizer = bool({"tokenizer.json", "tokenizer_config.json"} & set(held))  # models have one, drafter artifacts not
+    if held and has_tokenizer != model:
+        what, wanted = ("a drafter artifact", "a model dir") if model else ("a model with its tokenizer", "a drafter artifact")
+        raise UserError(f"{key} {out} holds {what}, not {wanted}: overwrite=true replaces only {wanted}")
+
+
+@contextmanager
+def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out",
+                     model: bool = False):
+    """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
+
+    An existing `out` is refused, or with `overwrite` (when it is empty or of the kind written: a
+    drafter artifact, or with `model` a model dir with its tokenizer) replaced only after the new one is complete
+    (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
+    removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
+    """
+    check_directory_destination(out, overwrite, protect, key, model)
+    out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     remove_stale_partials(out)
     partial = temp_beside(out)

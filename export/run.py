@@ -19,9 +19,9 @@ from drafters import settings
 from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
 from drafters.base import check_settings
 from drafters.errors import UserError, entry_point
-from drafters.settings import anything, at_least
+from drafters.settings import anything, at_least, nonempty
 from drafters.target import load_target
-from drafters.writes import STATE_FILE, atomic_directory, check_destination
+from drafters.writes import STATE_FILE, atomic_directory, check_directory_destination
 from export import formats
 
 
@@ -62,7 +62,7 @@ def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tupl
     head was trained in: what vLLM and speculators load by path. Returns that path."""
     target = load_target(OmegaConf.merge(saved.target, {"dtype": "bfloat16"}))
     saved.check_target(target.spec, out)
-    with atomic_directory(out, overwrite, protect, key="verifier_out") as partial:
+    with atomic_directory(out, overwrite, protect, key="verifier_out", model=True) as partial:
         target.model.save_pretrained(partial)
         target.tokenizer.save_pretrained(partial)
     return os.path.abspath(out)
@@ -72,9 +72,9 @@ def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tupl
 class Export:
     """conf/export.yaml's schema (drafters/settings.py): checked before anything is read."""
 
-    checkpoint: str = anything()
+    checkpoint: str = nonempty()
     format: str = anything()  # export/formats names the formats
-    out: str = anything()
+    out: str = nonempty()
     overwrite: bool = anything()
     verifier: str | None = anything()
     verifier_out: str | None = anything()
@@ -96,7 +96,7 @@ def export(cfg: DictConfig) -> str:
     if verifier.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(verifier)):
         raise UserError(f"verifier={verifier}: no such model directory (pass an HF dir or a hub id)")
     if cfg.verifier_out:  # refused before any work, like out
-        check_destination(str(cfg.verifier_out), (checkpoint, out), key="verifier_out")
+        check_directory_destination(str(cfg.verifier_out), cfg.overwrite, (checkpoint, out), "verifier_out", model=True)
     with atomic_directory(out, cfg.overwrite, protect=(checkpoint,)) as partial:
         saved = read_source(cfg)
         fmt = formats.writer(cfg.format, saved.drafter)

@@ -20,7 +20,7 @@ BUILTIN = {
 def _read_jsonl(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     records = []
-    with opener(path, "rt", encoding="utf-8") as handle:
+    with opener(path, "rt", encoding="utf-8-sig") as handle:  # -sig: a byte-order mark is skipped
         for number, line in enumerate(handle, 1):
             if line.strip():
                 try:

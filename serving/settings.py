@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafters.settings import PRECISIONS, anything, at_least, between, one_of
+from drafters.settings import PRECISIONS, anything, at_least, between, nonempty, one_of
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Ngram:
 class Decoding:
     """What serving.run and serving.bench share: the artifact and how to decode with it."""
 
-    artifact: str = anything()
+    artifact: str = nonempty()
     max_new_tokens: int = at_least(1)
     dtype: str = one_of(*PRECISIONS)
     draft: str = one_of("chain", "tree", "ngram", "hybrid")
@@ -34,7 +34,7 @@ class Decoding:
     total_tokens: int = at_least(1)
     ngram: Ngram = anything()
     temperature: float = at_least(0)
-    top_p: float = between(0, 1)
+    top_p: float = between(0, 1, open_low=True)
     seed: int = anything()
 
 
@@ -51,4 +51,4 @@ class Bench(Decoding):
     tie_tolerance: float = at_least(0)
     prompt_lookup_tokens: int = at_least(0)
     hf_plain: bool = anything()
-    out: str = anything()
+    out: str = nonempty()

@@ -71,6 +71,10 @@ def world(tmp_path_factory):
         cut = root / f"cut_{name.split('.')[0]}"
         shutil.copytree(run / "checkpoints" / "step-4", cut)
         (cut / name).write_bytes((cut / name).read_bytes()[:200])
+    model = root / "model_dir"  # a target model as save_pretrained writes it: weights, config, tokenizer
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(root / "artifact" / name if name != "tokenizer.json" else files / "one.jsonl", model / name)
     garbage = root / "garbage_weights"
     shutil.copytree(root / "artifact", garbage)
     (garbage / "model.safetensors").write_bytes(b"\x00" * 100)
@@ -121,7 +125,7 @@ CASES = [
     ("eval_every_zero", "training.run", ["trainer.eval_every=0"], "trainer.eval_every=0: must be >= 1"),
     ("save_every_negative", "training.run", ["trainer.save_every=-1"], "trainer.save_every=-1: must be >= 1"),
     ("lr_negative", "training.run", ["trainer.lr=-1"], "trainer.lr=-1: must be >= 0"),
-    ("lr_not_a_number", "training.run", ["trainer.lr=fast"], "trainer.lr=fast: must be a number >= 0"),
+    ("lr_not_a_number", "training.run", ["trainer.lr=fast"], "trainer.lr=fast: must be a finite number >= 0"),
     ("schedule_unknown", "training.run", ["trainer.schedule=foo"], "trainer.schedule=foo: must be one of cosine | constant"),
     ("precision_unknown", "training.run", ["trainer.precision=fp8"], "trainer.precision=fp8: must be one of auto"),
     ("max_minutes_zero", "training.run", ["trainer.max_minutes=0"], "trainer.max_minutes=0: must be > 0"),
@@ -230,6 +234,15 @@ CASES = [
     ("export_no_checkpoint", "export.run", ["out={tmp}/x"], "checkpoint is required"),
     ("export_checkpoint_missing", "export.run", ["checkpoint={tmp}/nope", "out={tmp}/x"], "checkpoint not found"),
     ("export_corrupt_state", "export.run", ["checkpoint={root}/broken_checkpoint", "out={tmp}/x"], "is unreadable"),
+    ("serve_temperature_nan", "serving.run", ["artifact={root}/artifact", "temperature=nan"], "temperature=nan: must be a finite number >= 0"),
+    ("serve_top_p_zero", "serving.run", ["artifact={root}/artifact", "temperature=0.7", "top_p=0"], "top_p=0: must be > 0 and <= 1"),
+    ("serve_artifact_empty", "serving.run", ["artifact="], "artifact=: must not be empty"),
+    ("export_out_empty", "export.run", ["checkpoint={root}/artifact", "out="], "out=: must not be empty"),
+    ("run_dir_is_an_artifact", "training.run", ["hydra.run.dir={root}/artifact"], "would write into the artifact or model dir {root}/artifact"),
+    ("run_dir_inside_a_model_dir", "training.run", ["hydra.run.dir={root}/model_dir/run"], "would write into the artifact or model dir {root}/model_dir"),
+    ("bench_out_into_another_artifact", "serving.bench", ["artifact={root}/artifact", "out={root}/speculators/b.json"], "would write into the artifact or model dir {root}/speculators"),
+    ("export_verifier_over_a_drafter", "export.run", ["checkpoint={run}/checkpoints/latest", "format=speculators", "out={tmp}/x", "verifier_out={root}/artifact", "overwrite=true"], "verifier_out {root}/artifact holds a drafter artifact, not a model dir"),
+    ("export_over_a_target_model", "export.run", ["checkpoint={run}/checkpoints/latest", "out={root}/model_dir", "overwrite=true"], "holds a model with its tokenizer, not a drafter artifact"),
 ]
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from drafters.errors import UserError
+from serving.prompts import load_prompts
 from training import data
 from training.data import build_datasets, collate, load_conversations, regenerate, render
 
@@ -66,6 +67,15 @@ def test_openai_jsonl(tmp_path):
     conversations, stats = load_conversations(path)
     assert conversations == [CHAT, CHAT[:2]]
     assert stats["prompt_only"] == 0
+
+
+def test_files_with_a_byte_order_mark_read_like_plain_utf8(tmp_path):
+    """Windows editors save UTF-8 with a BOM: a .jsonl, a .json array and a prompt file still read."""
+    for name, text in (("d.jsonl", json.dumps({"messages": CHAT}) + "\n"), ("d.json", json.dumps([{"messages": CHAT}]))):
+        (tmp_path / name).write_text(text, encoding="utf-8-sig")
+        assert load_conversations(str(tmp_path / name))[0] == [CHAT]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "Name a colour."}) + "\n", encoding="utf-8-sig")
+    assert load_prompts(str(tmp_path / "p.jsonl")) == ["Name a colour."]
 
 
 def test_prompt_jsonl_is_prompt_only(tmp_path):

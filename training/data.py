@@ -92,7 +92,7 @@ def _iter_json_array(path: str, report: dict, chunk_chars: int = 1 << 20, trunca
     """
     decoder = json.JSONDecoder()
     ws = re.compile(r"\s*")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Windows editors) is skipped
         buf, pos, lines_before, eof, need_more = "", 0, 0, False, False
         state = "open"  # open -> value_or_close -> (value -> sep)* -> closed
         while True:
@@ -144,7 +144,7 @@ def _iter_json_array(path: str, report: dict, chunk_chars: int = 1 << 20, trunca
 
 
 def _iter_jsonl(path: str):
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -20,7 +20,7 @@ from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
 from drafters.errors import UserError
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
-from drafters.writes import atomic_file, check_not_in_checkpoint, holds_checkpoints
+from drafters.writes import atomic_file, check_not_in_saved, holds_checkpoints
 from training import checkpoint, data, distributed, hidden_cache
 from training.schedule import TimeBudget, make_schedule
 from training.metrics import MetricsLog
@@ -213,7 +213,7 @@ def preflight(cfg: DictConfig, run_dir: str) -> dict | None:
     """The checks that need no model, before any work or process group (training.launch runs them
     once before it starts processes): the run dir, the data file, what to resume. Returns the
     checkpoint state to resume from, or None."""
-    check_not_in_checkpoint(run_dir, "hydra.run.dir")
+    check_not_in_saved(run_dir, "hydra.run.dir")
     if holds_checkpoints(run_dir):
         raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
     data.data_source(cfg.data.path)
