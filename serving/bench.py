@@ -196,9 +196,10 @@ def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_plain
     from serving.prompts import load_prompts
-    from serving.run import announce_precision, chat_prompt, check_length, spec_options
+    from serving.run import announce_precision, chat_prompt, check_length, check_options, spec_options
 
     check(cfg, Bench)
+    check_options(cfg)
     names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
     if not names or not all(isinstance(name, str) for name in names):
         raise UserError(f"prompts={cfg.prompts}: name one prompt set or file, or a non-empty list of them")

@@ -187,13 +187,12 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     draft="ngram": no head (`drafter` may be None): drafts copied from the prompt and the text so
     far (serving/ngram.py); when sampling, one continuation, each draft a point mass.
     draft="hybrid": the head's chain or tree (`ngram.head`) with the n-gram branches merged into
-    one tree; greedy only, unless scheduled.
+    one tree; when sampling, one source per forward: the n-gram continuation where the lookup
+    finds one, else the head's drafts (a choice made from earlier tokens only, so exact).
     `schedule` (an AutoSchedule; chain, ngram or hybrid with a chain head): each forward verifies
     the head and n-gram draft counts with the most expected tokens per second (serving/schedule.py),
     down to none: plain decoding. It learns across calls: pass the same one for every prompt. When
     sampling, one source per forward."""
-    if draft == "hybrid" and not sampler.greedy and schedule is None:
-        raise ValueError("draft='hybrid' samples only with a schedule (one source per forward)")
     began = time.perf_counter()
     device = prompt_ids.device
     head = drafter if draft != "ngram" else None
@@ -226,6 +225,8 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             found, found_parents = found[:ngram_drafts], found_parents[:ngram_drafts]  # a chain: a prefix
         else:
             head_drafts = min(depth if proposal == "tree" else steps, remaining) if head else 0
+            if found and not sampler.greedy:  # one proposal distribution per node: the copied drafts
+                head_drafts = 0
         drafts = parents = torch.zeros(0, dtype=torch.long, device=device)
         draft_probs = None  # sampling: [1, nodes, V] the distribution each node's children came from
         head_ran = bool(head_drafts)

@@ -42,23 +42,30 @@ def sampler(cfg: DictConfig):
     return Sampler(cfg.temperature, cfg.top_p, torch.Generator().manual_seed(cfg.seed))
 
 
+def check_options(cfg: DictConfig) -> None:
+    """The checks across keys of a serve/bench config that need no model."""
+    if cfg.ngram.shortest > cfg.ngram.longest:
+        raise UserError(f"ngram.shortest={cfg.ngram.shortest} is above ngram.longest={cfg.ngram.longest}")
+    if cfg.schedule == "auto" and _tree(cfg):
+        raise UserError("schedule=auto schedules chains: pass draft=chain | ngram | hybrid with ngram.head=chain")
+    if cfg.schedule == "auto" and (cfg.cost_schedule or cfg.min_confidence > 0):
+        key = "cost_schedule=true" if cfg.cost_schedule else f"min_confidence={cfg.min_confidence}"
+        raise UserError(f"{key} is for schedule=fixed: schedule=auto chooses how many drafts to verify itself")
+
+
+def _tree(cfg: DictConfig) -> bool:
+    return cfg.draft == "tree" or (cfg.draft == "hybrid" and cfg.ngram.head == "tree")
+
+
 def spec_options(cfg: DictConfig, target, drafter) -> dict:
     """generate_spec's keyword arguments from a serve/bench config (`cost_schedule` measures the
     target's verification cost here, once)."""
     from serving.engine import NgramOptions, measure_verify_cost
     from serving.schedule import AutoSchedule
 
-    if cfg.ngram.shortest > cfg.ngram.longest:
-        raise UserError(f"ngram.shortest={cfg.ngram.shortest} is above ngram.longest={cfg.ngram.longest}")
-    if cfg.draft == "hybrid" and cfg.temperature > 0 and cfg.schedule != "auto":
-        raise UserError("draft=hybrid samples only with schedule=auto (one source per forward): pass schedule=auto "
-                        "or temperature=0")
-    tree = cfg.draft == "tree" or (cfg.draft == "hybrid" and cfg.ngram.head == "tree")
-    if tree and cfg.topk > drafter.vocab.draft_size:
+    if _tree(cfg) and cfg.topk > drafter.vocab.draft_size:
         raise UserError(f"topk={cfg.topk}: more children per node than the drafter's "
                         f"{drafter.vocab.draft_size}-token draft vocabulary")
-    if cfg.schedule == "auto" and tree:
-        raise UserError("schedule=auto schedules chains: pass draft=chain | ngram | hybrid with ngram.head=chain")
     # the engine never drafts past max_new_tokens
     most = min(cfg.steps + (cfg.ngram.length if cfg.schedule == "auto" else 0), cfg.max_new_tokens) + 1
     layers = [] if cfg.draft == "ngram" else drafter.capture_layers()
@@ -77,6 +84,7 @@ def main(cfg: DictConfig) -> None:
     from serving.engine import generate_spec, generate_plain
 
     check(cfg, Serve)
+    check_options(cfg)
     if not cfg.prompt.strip():
         raise UserError("prompt is empty: pass prompt=\"...\"")
     target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)

@@ -206,7 +206,6 @@ CASES = [
     ("serve_topk_past_draft_vocab", "serving.run", ["artifact={root}/artifact", "draft=tree", "topk=100000"], "topk=100000: more children"),
     ("bench_same_set_twice", "serving.bench", ["artifact={root}/artifact", "prompts=[mtbench,mtbench]", "out={tmp}/b.json"], "names the same set twice"),
     ("serve_ngram_shortest_above_longest", "serving.run", ["artifact={root}/artifact", "draft=ngram", "ngram.shortest=5", "ngram.longest=2"], "ngram.shortest=5 is above ngram.longest=2"),
-    ("serve_hybrid_sampling_unscheduled", "serving.run", ["artifact={root}/artifact", "draft=hybrid", "temperature=0.7"], "draft=hybrid samples only with schedule=auto"),
     ("serve_auto_schedule_on_a_tree", "serving.run", ["artifact={root}/artifact", "draft=tree", "schedule=auto"], "schedule=auto schedules chains"),
     ("serve_schedule_unknown", "serving.run", ["artifact={root}/artifact", "schedule=sometimes"], "schedule=sometimes: must be one of fixed | auto"),
     ("serve_unknown_ngram_key", "serving.run", ["artifact={root}/artifact", "draft=ngram", "+ngram.window=3"], "ngram.window: no such setting (the settings here: shortest, longest"),
@@ -243,6 +242,11 @@ CASES = [
     ("bench_out_into_another_artifact", "serving.bench", ["artifact={root}/artifact", "out={root}/speculators/b.json"], "would write into the artifact or model dir {root}/speculators"),
     ("export_verifier_over_a_drafter", "export.run", ["checkpoint={run}/checkpoints/latest", "format=speculators", "out={tmp}/x", "verifier_out={root}/artifact", "overwrite=true"], "verifier_out {root}/artifact holds a drafter artifact, not a model dir"),
     ("export_over_a_target_model", "export.run", ["checkpoint={run}/checkpoints/latest", "out={root}/model_dir", "overwrite=true"], "holds a model with its tokenizer, not a drafter artifact"),
+    ("dflash_block_past_max_length", "training.run", ["drafter=dflash", "drafter.block_size=10000"], "drafter.block_size=10000: must be <= data.max_length=128"),
+    ("data_not_a_regular_file", "training.run", ["data.path=/dev/null"], "data file is not a regular file: /dev/null"),
+    ("serve_auto_schedule_with_cost_schedule", "serving.run", ["artifact={root}/artifact", "schedule=auto", "cost_schedule=true"], "cost_schedule=true is for schedule=fixed"),
+    ("bench_auto_schedule_with_min_confidence", "serving.bench", ["artifact={root}/artifact", "schedule=auto", "min_confidence=0.5", "out={tmp}/b.json"], "min_confidence=0.5 is for schedule=fixed"),
+    ("launch_nodes_on_loopback", "training.launch", ["launch.nodes=2", "distributed=ddp", "launch.dry_run=true"], "launch.main_address=127.0.0.1: with launch.nodes=2, pass node 0's address"),
 ]
 
 

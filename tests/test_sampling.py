@@ -72,7 +72,9 @@ def encode(tokens: list[int]) -> int:
     (0.7, 0.8, dict(steps=2, min_confidence=0.3), 10_000),
     (1.0, 1.0, dict(draft="tree", depth=2, topk=2, total=5), 10_000),
     (1.0, 1.0, dict(draft="ngram"), 10_000),  # copied drafts, each a point mass
-    # one source per forward, or none (a plain step), chosen from earlier tokens only
+    # one source per forward (the copied drafts where the lookup finds some), chosen from earlier tokens only
+    (1.0, 1.0, dict(draft="hybrid", steps=2), 10_000),
+    # ...or none (a plain step) when scheduled
     (1.0, 1.0, dict(draft="hybrid", steps=2, schedule=AutoSchedule([0.0, 1.0, 1.05, 1.1, 1.15, 1.2], steps=2)), 10_000),
 ])
 def test_spec_sampling_matches_target_distribution(small_vocab, one_thread, temperature, top_p, options, draws):

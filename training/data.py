@@ -174,7 +174,9 @@ def data_source(path: str | None) -> str:
     """The file conversations load from: `path`, or the ShareGPT wheel's file if None."""
     source = path or sharegpt_path()
     if not os.path.isfile(source):
-        raise UserError(f"data file {'is a directory' if os.path.isdir(source) else 'not found'}: {source}")
+        what = ("is a directory" if os.path.isdir(source) else "is not a regular file" if os.path.exists(source)
+                else "not found")
+        raise UserError(f"data file {what}: {source}")
     return source
 
 

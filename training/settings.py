@@ -111,3 +111,7 @@ def check(cfg: DictConfig) -> None:
     check_settings(cfg.drafter)
     if cfg.launch.node_rank >= cfg.launch.nodes:
         raise UserError(f"launch.node_rank={cfg.launch.node_rank}: must be below launch.nodes={cfg.launch.nodes}")
+    address = str(cfg.launch.main_address).strip()
+    if cfg.launch.nodes > 1 and (not address or address == "localhost" or address.startswith("127.")):
+        raise UserError(f"launch.main_address={address}: with launch.nodes={cfg.launch.nodes}, pass node 0's "
+                        "address as the other nodes reach it (the same on every node)")

@@ -217,6 +217,9 @@ def preflight(cfg: DictConfig, run_dir: str) -> dict | None:
     if holds_checkpoints(run_dir):
         raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
     data.data_source(cfg.data.path)
+    block = cfg.drafter.get("block_size")  # the block drafters (DFlash, DSpark) draft inside one sequence
+    if block is not None and block > cfg.data.max_length:
+        raise UserError(f"drafter.block_size={block}: must be <= data.max_length={cfg.data.max_length}")
     return checkpoint.find(cfg.trainer.resume, os.path.join(run_dir, "checkpoints"), cfg.trainer.max_steps)
 
 
