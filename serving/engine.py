@@ -172,7 +172,8 @@ class NgramOptions:
 def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
                   draft: str = "chain", steps: int = 7, min_confidence: float = 0.0, depth: int = 6, topk: int = 8,
                   total: int = 48, sampler: Sampler = GREEDY, verify_cost: list[float] | None = None,
-                  ngram: NgramOptions = NgramOptions(), schedule: AutoSchedule | None = None):
+                  ngram: NgramOptions = NgramOptions(), schedule: AutoSchedule | None = None,
+                  earlier: NgramDrafts | None = None):
     """Speculative decoding.
 
     draft="chain" (or a block drafter's block): up to `steps` drafts per target forward;
@@ -192,11 +193,14 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     `schedule` (an AutoSchedule; chain, ngram or hybrid with a chain head): each forward verifies
     the head and n-gram draft counts with the most expected tokens per second (serving/schedule.py),
     down to none: plain decoding. It learns across calls: pass the same one for every prompt. When
-    sampling, one source per forward."""
+    sampling, one source per forward.
+    `earlier` (an NgramDrafts, draft=ngram | hybrid): the n-gram drafts also copy from it, and the
+    prompt and the answer are added to it at the end; pass the same one for every prompt."""
     began = time.perf_counter()
     device = prompt_ids.device
     head = drafter if draft != "ngram" else None
-    lookup = NgramDrafts(prompt_ids[0].tolist(), ngram.shortest, ngram.longest) if draft in ("ngram", "hybrid") else None
+    lookup = (NgramDrafts(prompt_ids[0].tolist(), ngram.shortest, ngram.longest, earlier)
+              if draft in ("ngram", "hybrid") else None)
     proposal = ngram.head if draft == "hybrid" else draft
     branches = 1 if schedule or not sampler.greedy else ngram.branches
     planner = schedule
@@ -320,6 +324,8 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         if planner:  # what the iteration cost besides the verification forward and the head
             planner.record_overhead(len(drafts) > 0, (verifying - iteration) + (finished - verified)
                                     - ((proposed - drafted) if head_ran else 0.0))
+    if lookup and earlier is not None:
+        earlier.extend(lookup.tokens[: prompt_ids.shape[1] + len(tokens)])
     stats.new_tokens = len(tokens)
     stats.seconds = time.perf_counter() - began
     return tokens, stats

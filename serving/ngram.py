@@ -7,14 +7,19 @@ prompt lookup (`prompt_lookup_num_tokens`) copies one continuation of the first 
 2-gram; here the longest match wins, recent before old, and up to `branches` different
 continuations are merged into a trie that one target forward verifies. A step costs microseconds
 of Python, so where nothing matches the loop is plain decoding.
+
+With `earlier` (suffix decoding across requests: another NgramDrafts holding the prompts and
+answers of a session's earlier requests), a suffix of 2+ tokens also matches there, after the
+matches of the same length in the request's own text.
 """
 
 from __future__ import annotations
 
 
 class NgramDrafts:
-    def __init__(self, tokens: list[int], shortest: int = 1, longest: int = 4):
+    def __init__(self, tokens: list[int], shortest: int = 1, longest: int = 4, earlier: NgramDrafts | None = None):
         self.shortest, self.longest = shortest, longest
+        self.earlier = earlier
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it ended at, ascending
         self.extend(tokens)
@@ -29,18 +34,25 @@ class NgramDrafts:
 
     def propose(self, length: int, branches: int = 1) -> tuple[list[int], list[int], int]:
         """Up to `branches` continuations of at most `length` tokens each, merged into a trie:
-        (tokens, parents, match length). Node i (from 1) holds tokens[i-1] below node parents[i-1];
-        node 0 is the last committed token. Match length 0: nothing matched, no drafts."""
+        (tokens, parents, match). Node i (from 1) holds tokens[i-1] below node parents[i-1]; node 0
+        is the last committed token. The match is the first continuation's suffix length, negated
+        for a match in `earlier` (the schedule counts the two apart); 0: nothing matched, no drafts."""
         end = len(self.tokens) - 1
         found: list[list[int]] = []
         matched = 0
         for n in range(min(self.longest, end), self.shortest - 1, -1):
-            earlier = self.ends.get(tuple(self.tokens[end - n + 1 :]), [])[:-1]  # the last end is the suffix itself
-            for position in reversed(earlier):
-                continuation = self.tokens[position + 1 : position + 1 + length]
-                if continuation not in found:
-                    found.append(continuation)
-                    matched = matched or n
+            suffix = tuple(self.tokens[end - n + 1 :])
+            sources = [(self, self.ends.get(suffix, [])[:-1], n)]  # the last end is the suffix itself
+            if self.earlier and n >= 2:  # one token recurs everywhere in a long history
+                sources.append((self.earlier, self.earlier.ends.get(suffix, []), -n))
+            for text, ends, key in sources:
+                for position in reversed(ends):
+                    continuation = text.tokens[position + 1 : position + 1 + length]
+                    if continuation and continuation not in found:
+                        found.append(continuation)
+                        matched = matched or key
+                    if len(found) == branches:
+                        break
                 if len(found) == branches:
                     break
             if len(found) == branches:

@@ -61,6 +61,7 @@ def spec_options(cfg: DictConfig, target, drafter) -> dict:
     """generate_spec's keyword arguments from a serve/bench config (`cost_schedule` measures the
     target's verification cost here, once)."""
     from serving.engine import NgramOptions, measure_verify_cost
+    from serving.ngram import NgramDrafts
     from serving.schedule import AutoSchedule
 
     if _tree(cfg) and cfg.topk > drafter.vocab.draft_size:
@@ -71,10 +72,13 @@ def spec_options(cfg: DictConfig, target, drafter) -> dict:
     layers = [] if cfg.draft == "ngram" else drafter.capture_layers()
     measure = cfg.cost_schedule or cfg.schedule == "auto"
     verify_cost = measure_verify_cost(target, layers, most) if measure else None
+    ngram = OmegaConf.to_container(cfg.ngram)
+    earlier = ngram.pop("earlier")
     return dict(draft=cfg.draft, steps=cfg.steps, min_confidence=cfg.min_confidence, depth=cfg.depth, topk=cfg.topk,
                 total=cfg.total_tokens, sampler=sampler(cfg), verify_cost=verify_cost,
                 schedule=AutoSchedule(verify_cost, cfg.steps) if cfg.schedule == "auto" else None,
-                ngram=NgramOptions(**OmegaConf.to_container(cfg.ngram)))
+                ngram=NgramOptions(**ngram),
+                earlier=NgramDrafts([], ngram["shortest"], ngram["longest"]) if earlier else None)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")

@@ -111,7 +111,7 @@ class AutoSchedule:
 
     def plan(self, head: bool, ngram_drafts: int, match: int, both: bool = True) -> tuple[int, int]:
         """(head drafts, n-gram drafts) to verify next: `ngram_drafts` are on offer from a match of
-        `match` tokens; `head`: whether there is a head at all; `both=False`: drafts of one source
+        `match` tokens (negative: in earlier requests' text, counted apart); `head`: whether there is a head at all; `both=False`: drafts of one source
         only (sampling verifies one proposal distribution per node)."""
         ngram = self.ngram.setdefault(match, Acceptance()).survival(ngram_drafts) if ngram_drafts else []
         head_survival = self.head.survival(self.steps) if head else []

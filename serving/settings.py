@@ -15,6 +15,7 @@ class Ngram:
     branches: int = at_least(1)
     length: int = at_least(1)
     head: str = one_of("chain", "tree")
+    earlier: bool = anything()
 
 
 @dataclass

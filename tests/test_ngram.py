@@ -32,6 +32,18 @@ def test_branches_sharing_a_prefix_merge_into_a_trie():
     assert text.propose(3, branches=2) == ([1, 2, 8, 9], [0, 1, 2, 2], 1)
 
 
+def test_earlier_text_matches_after_the_own_text_and_is_told_apart():
+    earlier = NgramDrafts([], longest=3)
+    earlier.extend([7, 8, 9, 4, 5])  # an earlier request: 8 9 was followed by 4 5
+    text = NgramDrafts([1, 8, 9], longest=3, earlier=earlier)
+    assert text.propose(2) == ([4, 5], [0, 1], -2)  # a 2-token match there, negated
+    text.extend([6, 8, 9])  # now the own text has 8 9 too (followed by 6): same length, own text first
+    assert text.propose(2) == ([6, 8], [0, 1], 2)
+    assert text.propose(2, branches=2) == ([6, 8, 4, 5], [0, 1, 0, 3], 2)
+    # a single token never matches in the earlier text: 5 occurs there only
+    assert NgramDrafts([3, 5], earlier=earlier).propose(2) == ([], [], 0)
+
+
 def test_merge_grafts_onto_the_same_root_and_shares_prefixes():
     tokens, parents = merge([5, 6, 7], [0, 1, 2], [5, 6, 9, 3], [0, 1, 2, 0])
     assert tokens == [5, 6, 7, 9, 3]
@@ -65,6 +77,21 @@ def test_hybrid_equals_plain_greedy(tiny_target, plain_outputs, head):
                                     steps=3, depth=3, topk=2, total=6, ngram=NgramOptions(branches=2, head=head))
         assert spec == plain_outputs[text]
         assert stats.accept_len > 1.0  # the untrained head alone accepts ~nothing; the n-gram branches do
+
+
+def test_earlier_answers_are_copied_across_calls_losslessly(tiny_target, plain_outputs):
+    eos = {tiny_target.tokenizer.eos_token_id}
+    earlier = NgramDrafts([])
+    first = chat_ids(tiny_target, PROMPTS[0])
+    alone = generate_spec(tiny_target, None, first, 48, eos, draft="ngram")[1].target_forwards
+    for _ in range(2):  # the same request twice: the second copies the first answer
+        spec, stats = generate_spec(tiny_target, None, first, 48, eos, draft="ngram", earlier=earlier)
+        assert spec == plain_outputs[PROMPTS[0]]
+    assert len(earlier.tokens) == 2 * (first.shape[1] + len(spec))
+    assert stats.target_forwards < alone
+    for text in PROMPTS[1:]:
+        assert generate_spec(tiny_target, None, chat_ids(tiny_target, text), 48, eos, draft="ngram",
+                             earlier=earlier)[0] == plain_outputs[text]
 
 
 COST = [0.0] + [1.0 + 0.05 * n for n in range(1, 24)]  # seconds of a forward over n tokens: drafts are cheap
