@@ -73,7 +73,7 @@ def check_not_in_saved(path: str, key: str, may_be_model_dir: bool = False) -> N
 
 def check_writable(out: str, key: str = "out") -> None:
     """Refuse, before any work, a file destination whose directory is missing or not writable."""
-    directory = os.path.dirname(os.path.abspath(out))
+    directory = os.path.dirname(out) or "."  # not normalized: `missing/../b.json` must fail here, as its write would
     if not os.path.isdir(directory):
         raise UserError(f"{key} {out}: no directory {directory} to write into")
     if not os.access(directory, os.W_OK):

@@ -214,6 +214,7 @@ CASES = [
     ("bench_out_not_json", "serving.bench", ["artifact={root}/artifact", "out={tmp}/b.png"], "out={tmp}/b.png: must name a .json file"),
     ("serve_a_run_dir", "serving.run", ["artifact={run}"], "holds training checkpoints: pass one of them, e.g. {run}/checkpoints/latest"),
     ("bench_out_in_missing_dir", "serving.bench", ["artifact={root}/artifact", "out={tmp}/no/such/b.json"], "no directory"),
+    ("bench_out_through_a_missing_dir", "serving.bench", ["artifact={root}/artifact", "out={tmp}/no/../b.json"], "no directory {tmp}/no/.."),
     ("bench_out_inside_checkpoint", "serving.bench", ["artifact={root}/artifact", "out={run}/checkpoints/step-2/b.json"], "would overwrite the training checkpoint"),
     ("bench_out_over_artifact", "serving.bench", ["artifact={root}/artifact", "out={root}/artifact/config.json"], "would overwrite"),
     # export: the four data-loss cases of issue 13, then more
@@ -247,6 +248,9 @@ CASES = [
     ("serve_auto_schedule_with_cost_schedule", "serving.run", ["artifact={root}/artifact", "schedule=auto", "cost_schedule=true"], "cost_schedule=true is for schedule=fixed"),
     ("bench_auto_schedule_with_min_confidence", "serving.bench", ["artifact={root}/artifact", "schedule=auto", "min_confidence=0.5", "out={tmp}/b.json"], "min_confidence=0.5 is for schedule=fixed"),
     ("launch_nodes_on_loopback", "training.launch", ["launch.nodes=2", "distributed=ddp", "launch.dry_run=true"], "launch.main_address=127.0.0.1: with launch.nodes=2, pass node 0's address"),
+    ("seed_negative", "training.run", ["seed=-5"], "seed=-5: must be >= 0"),
+    ("batch_past_the_data", "training.run", ["trainer.batch_size=1000000"], "trainer.batch_size=1000000: a micro-batch of 1000000 x 1 process(es) is more than the"),
+    ("wandb_online_without_a_key", "training.run", ["logger=wandb", "logger.mode=online", "trainer.max_steps=2"], "logger.mode=online: no W&B API key"),
 ]
 
 

@@ -312,7 +312,7 @@ def test_training_init_from_an_artifact(checkpoint, tmp_path):
     run_export(checkpoint=tmp_path / "sglang", format="native", target="tiny_llama", out=tmp_path / "native")
     result = subprocess.run(
         [sys.executable, "-m", "training.run", "target=tiny_llama", "logger=none", "data.max_samples=16",
-         "data.max_length=64", "trainer.batch_size=2", "trainer.max_steps=1", "trainer.eval_max_samples=2",
+         "data.eval_min=2", "data.max_length=64", "trainer.batch_size=2", "trainer.max_steps=1", "trainer.eval_max_samples=2",
          "trainer.lr=0", f"drafter.init_from={tmp_path / 'native'}", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -92,7 +92,7 @@ class Launch:
 
 @dataclass
 class Train:
-    seed: int = anything()
+    seed: int = between(0, 2**32 - 1)  # numpy's seed range
     run_name: str = anything()
     cache_dir: str = anything()
     trainer: Trainer = anything()

@@ -199,6 +199,12 @@ def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
 
 
+def wandb_logged_in() -> bool:
+    import wandb
+
+    return bool(wandb.login(prompt=False))  # a key in the environment or ~/.netrc; never prompts
+
+
 def record_config(cfg: DictConfig, run_dir: str) -> None:
     """`.hydra/config.yaml` (resolved precision included) and `overrides.yaml`, written here rather
     than by Hydra so that a refused run leaves an existing run's record as it was."""
@@ -270,6 +276,9 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
 
     if cfg.logger.name == "wandb":
         os.environ.setdefault("WANDB_MODE", cfg.logger.mode)
+        if cfg.logger.mode == "online" and not wandb_logged_in():
+            raise UserError("logger.mode=online: no W&B API key (run `wandb login` or set WANDB_API_KEY), "
+                            "or pass logger.mode=offline")
         accelerator.init_trackers(
             cfg.logger.project,
             config=OmegaConf.to_container(cfg, resolve=True),
@@ -280,6 +289,9 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         metrics_log.truncate_after(start_step)
     hparams = accelerator.unwrap_model(drafter).hparams()
     global_batch = cfg.trainer.batch_size * cfg.trainer.grad_accum * accelerator.num_processes
+    if cfg.trainer.batch_size * accelerator.num_processes > len(train_set):  # a micro-batch would repeat sequences
+        raise UserError(f"trainer.batch_size={cfg.trainer.batch_size}: a micro-batch of {cfg.trainer.batch_size} x "
+                        f"{accelerator.num_processes} process(es) is more than the {len(train_set)} training conversations")
     log.info("distributed=%s: %s; %d processes on %s", cfg.distributed.name, distributed.DESCRIPTIONS[cfg.distributed.name],
              accelerator.num_processes, distributed.platform())
     log.info(
