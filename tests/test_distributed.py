@@ -2,7 +2,7 @@
 
 DDP and DeepSpeed ZeRO-2/3 must reach the weights of one process with the same global batch (2
 processes x 1 sequence = 1 process x 2 accumulated micro-batches), and resume from their own
-checkpoints; the launch plan renders without starting anything, and what cannot run is refused
+checkpoints (ZeRO-2); the launch plan renders without starting anything, and what cannot run is refused
 with one line."""
 
 import itertools
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_training import ROOT, one_line_error
+from conftest import ROOT, one_line_error, run_cli
 
 BASE = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "logger=none", "trainer.precision=fp32",
         "trainer.schedule=constant", "trainer.warmup_steps=3", "trainer.log_every=1", "trainer.eval_every=100",
@@ -52,18 +52,18 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])
-def test_two_processes_match_one_and_resume(one_process, tmp_path, mode):
-    run = ["launch.processes_per_node=2", f"distributed={mode}"]
-    output = launch(tmp_path, *run, "trainer.max_steps=2")
+def test_two_processes_match_one(one_process, tmp_path, mode):
+    output = launch(tmp_path, "launch.processes_per_node=2", f"distributed={mode}", "trainer.max_steps=2")
     assert "global batch 2 = 1 per process x 1 accumulation x 2 processes" in output
     assert_same_weights(weights(tmp_path, 2), weights(one_process, 2))
-    if mode == "zero2":  # DeepSpeed's own checkpoint: one optimizer shard per process
+    if mode == "zero2":  # DeepSpeed's own checkpoint: one optimizer shard per process...
         shards = os.listdir(tmp_path / "checkpoints" / "step-2" / "pytorch_model")
         assert sum(name.endswith("optim_states.pt") for name in shards) == 2, shards
-
-    output = launch(tmp_path, *run, "trainer.max_steps=4", "trainer.resume=auto")
-    assert "resumed from" in output and "at step 2" in output
-    assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))
+        # ...which a resumed run reads back (DDP resumes through the one-process path of test_training)
+        output = launch(tmp_path, "launch.processes_per_node=2", "distributed=zero2", "trainer.max_steps=4",
+                        "trainer.resume=auto")
+        assert "resumed from" in output and "at step 2" in output
+        assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))
 
 
 def test_zero3_shards_the_drafter_not_the_target(one_process, tmp_path):
@@ -71,13 +71,12 @@ def test_zero3_shards_the_drafter_not_the_target(one_process, tmp_path):
     assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))  # gathered at save
 
 
-def plan(tmp_path, *overrides):
-    return subprocess.run([sys.executable, "-m", "training.launch", "launch.dry_run=true", *overrides,
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def plan(tmp_path, capsys, *overrides):
+    return run_cli("training.launch", ["launch.dry_run=true", *overrides, f"hydra.run.dir={tmp_path}"], capsys)
 
 
-def test_dry_run_renders_a_multi_node_plan_and_starts_nothing(tmp_path):
-    result = plan(tmp_path, "target=llama3_8b", "distributed=zero3", "launch.platform=rocm", "launch.nodes=4",
+def test_dry_run_renders_a_multi_node_plan_and_starts_nothing(tmp_path, capsys):
+    result = plan(tmp_path, capsys, "target=llama3_8b", "distributed=zero3", "launch.platform=rocm", "launch.nodes=4",
                   "launch.processes_per_node=8", "launch.node_rank=3", "launch.main_address=10.1.0.1",
                   "trainer.grad_accum=2")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -100,18 +99,16 @@ def test_dry_run_renders_a_multi_node_plan_and_starts_nothing(tmp_path):
      "leave it auto"),
     (["distributed=zero2"], "distributed=zero2 on CPU needs 2 or more processes"),
 ])
-def test_what_cannot_run_still_renders_then_is_refused_in_one_line(tmp_path, overrides, fragment):
-    result = plan(tmp_path, "target=tiny_llama", *overrides)
+def test_what_cannot_run_still_renders_then_is_refused_in_one_line(tmp_path, capsys, overrides, fragment):
+    result = plan(tmp_path, capsys, "target=tiny_llama", *overrides)
     assert "launch plan" in result.stdout
     one_line_error(result, fragment)
 
 
-def test_fsdp_renders_for_gpus_and_is_refused_by_the_trainer_on_cpu(tmp_path):
-    assert plan(tmp_path / "plan", "distributed=fsdp", "launch.platform=cuda",
+def test_fsdp_renders_for_gpus_and_is_refused_by_the_trainer_on_cpu(tmp_path, capsys):
+    assert plan(tmp_path / "plan", capsys, "distributed=fsdp", "launch.platform=cuda",
                 "launch.processes_per_node=8").returncode == 0
-    result = subprocess.run([sys.executable, "-m", "training.run", *BASE, "distributed=fsdp",
-                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                            timeout=120)
+    result = run_cli("training.run", [*BASE, "distributed=fsdp", f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     one_line_error(result, "distributed=fsdp needs GPUs")
 
 

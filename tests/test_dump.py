@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from drafters.errors import UserError
 from drafters.target import load_target
-from conftest import compose_train
-from test_training import ROOT, TINY, one_line_error, records
+from conftest import ROOT, compose_train, one_line_error, run_cli
+from test_training import TINY, records
 from training import hidden_cache
 from training.dump import dump
 from training.trainer import build_model, make_batch, make_teacher, prepare_data
@@ -93,7 +93,7 @@ def test_a_stale_or_missing_cache_is_refused(caches, tmp_path):
         hidden_cache.HiddenCache.open(compose_train(settings(tmp_path / "none")), target, layers, train_set, eval_set)
 
 
-def test_offline_training_and_its_one_line_refusal(caches, tmp_path):
+def test_offline_training_and_its_one_line_refusal(caches, tmp_path, capsys):
     cfg, _ = caches["bf16"]
     run = [sys.executable, "-m", "training.run", *settings(cfg.data.cache.dir, "data.hidden_states=offline",
                                                            "trainer.max_steps=2", "trainer.log_every=1")]
@@ -103,8 +103,8 @@ def test_offline_training_and_its_one_line_refusal(caches, tmp_path):
     assert "hidden states: offline" in result.stdout + result.stderr
     assert [r["step"] for r in records(tmp_path / "ok") if "train/loss" in r] == [1, 2]
 
-    refused = subprocess.run([*run, "drafter.aux_layers=[1,2,3]", f"hydra.run.dir={tmp_path / 'stale'}"], cwd=ROOT,
-                             env=ENV, capture_output=True, text=True, timeout=300)
+    refused = run_cli("training.run", [*run[3:], "drafter.aux_layers=[1,2,3]", f"hydra.run.dir={tmp_path / 'stale'}"],
+                      capsys)
     one_line_error(refused, "is stale", "layers=[2, 4, 5]", "layers=[1, 2, 3]")
 
 

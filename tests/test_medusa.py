@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import VARIED_TARGET, chat_ids, chi2_pvalue, compose_train, train_steps
+from conftest import CHI2_MIN_PVALUE, VARIED_TARGET, chat_ids, chi2_pvalue, compose_train, train_steps
 from drafters.artifact import read
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
@@ -205,7 +205,7 @@ def test_sampled_tree_keeps_the_target_distribution():
     expected = runs * (first[:, None] * second).flatten()
     small_cells = expected < 5  # pooled: the chi-square approximation needs counts
     pooled = lambda cells: torch.cat([cells[~small_cells], cells[small_cells].sum(0, keepdim=True)])  # noqa: E731
-    assert chi2_pvalue(pooled(counts), pooled(expected)) >= 0.01
+    assert chi2_pvalue(pooled(counts), pooled(expected)) >= CHI2_MIN_PVALUE
 
 
 def test_bad_head_count_is_one_clear_line(target):

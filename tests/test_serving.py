@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS, chat_ids, compose_train, head_for
+from conftest import PROMPTS, ROOT, chat_ids, compose_train, head_for, run_cli
 from drafters.errors import UserError
 from drafters.target import load_target
 from serving import artifact
 from serving.engine import generate_spec, generate_plain
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +63,13 @@ def test_serving_run_cli(checkpoint):
     assert "identical output: True" in result.stdout and "acceptance length" in result.stdout
 
 
-def test_serving_run_cli_sampling(checkpoint):
-    result = cli("serving.run", f"artifact={checkpoint}", "max_new_tokens=12", "dtype=float32", "prompt=Hello there",
-                 "temperature=0.8", "top_p=0.9", "steps=3")
+def test_serving_run_cli_sampling(checkpoint, tmp_path, capsys):
+    result = run_cli("serving.run", [f"artifact={checkpoint}", "max_new_tokens=12", "dtype=float32", "prompt=Hello there",
+                                     "temperature=0.8", "top_p=0.9", "steps=3", f"hydra.run.dir={tmp_path / 'chain'}"], capsys)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "identical output: n/a (sampling)" in result.stdout
-    tree = cli("serving.run", f"artifact={checkpoint}", "max_new_tokens=12", "draft=tree", "depth=3", "topk=2",
-               "temperature=0.8")
+    tree = run_cli("serving.run", [f"artifact={checkpoint}", "max_new_tokens=12", "draft=tree", "depth=3", "topk=2",
+                                   "temperature=0.8", f"hydra.run.dir={tmp_path / 'tree'}"], capsys)
     assert tree.returncode == 0, tree.stderr[-2000:]
     assert "identical output: n/a (sampling)" in tree.stdout
 
@@ -117,10 +116,10 @@ def test_bench_refuses_an_out_it_could_not_write_before_benchmarking(checkpoint,
 
 
 def test_missing_artifact_is_one_clear_line(tmp_path):
-    for module in ("serving.run", "serving.bench"):
-        result = cli(module, f"artifact={tmp_path / 'nope'}")
-        assert result.returncode == 2
-        assert result.stderr.strip().splitlines()[-1] == f"error: artifact not found: {tmp_path / 'nope'}"
+    """Through a real `python -m serving.bench` (serving.run's refusals run in-process in test_bad_input)."""
+    result = cli("serving.bench", f"artifact={tmp_path / 'nope'}")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"error: artifact not found: {tmp_path / 'nope'}"
 
 
 def test_corrupt_artifact_is_one_clear_error(checkpoint, tmp_path):
