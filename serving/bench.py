@@ -139,6 +139,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         "n_prompts": len(prompts),
         "accept_len": totals["spec_tokens"] / totals["forwards"],
         "accept_rate_by_pos": [a / p for a, p in zip(accepted, proposed)],
+        "drafted_forwards": proposed[0] / iterations if proposed else 0.0,  # share of them that verified drafts
         "tokens_per_s_spec": spec_rate,
         "tokens_per_s_plain": plain_rate,
         "speedup": spec_rate / plain_rate,

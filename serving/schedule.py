@@ -13,8 +13,9 @@ chance a draft is accepted when the ones before it were (Beta(1, 1) prior, count
 accepted); the verification forward's seconds per token count (the shape measured at start-up,
 scaled by a running average of measured / predicted over the forwards actually run, so that a
 context that grows slows every count alike); the head's seconds per drafting call and per draft
-step (running averages). A head whose drafts are never accepted stops being run at all, and is
-probed again at intervals that double while it stays useless, so a useless head costs ~nothing.
+step (running averages). A head whose drafts do not pay stops being run at all, and is probed with
+one draft at intervals that double after each probe (however that draft fared) until the estimates
+say it pays again, so a head that does not pay costs ~nothing.
 
 A head that runs drafts as far as its confidences say (EAGLE-2's observation: a head's confidence
 predicts acceptance): each draft's chance given its confidence is calibrated online, drafting stops
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.2  # weight of the newest measurement in the running averages of seconds
-LONGEST_PROBE_INTERVAL = 64  # iterations between probes of a head that keeps losing
+LONGEST_PROBE_INTERVAL = 64  # iterations between probes of a head that does not pay
 # a forward with drafts must promise this much more than a plain step: the estimates are noisy,
 # and a head that barely pays on paper measured 3-5% slower than plain decoding
 MARGIN = 0.05
@@ -100,6 +101,7 @@ class AutoSchedule:
         self.head_step = 0.0  # seconds of each further draft step
         self.since_head = 0
         self.probe_interval = 1
+        self.probing = False  # the planned forward probes the head: its one draft is verified, whatever the cut says
         # seconds of an iteration besides its forward and the head (lookup, tree, verify kernel,
         # committing), with drafts to verify and without
         self.overhead = {True: 0.0, False: 0.0}
@@ -131,11 +133,15 @@ class AutoSchedule:
                 if rate > best:
                     best, choice = rate, (head_drafts, ngram_count)
         self.rate = best
+        self.probing = False
         if head and choice[0] == 0:
             self.since_head += 1
             if self.since_head >= self.probe_interval:  # probe: one draft, to keep the estimate honest
+                self.probing = True
                 return 1, choice[1] if both else 0
             return choice
+        if head:
+            self.probe_interval = 1  # the estimates say the head pays (again)
         # a head that runs drafts as far as its confidences say (`stop`, `cut`): up to `steps`
         return (self.steps if head else 0), choice[1]
 
@@ -156,7 +162,10 @@ class AutoSchedule:
     def cut(self, confidences: list[float], ngram_drafts: int) -> int:
         """How many of the head's drafts to verify: the prefix whose calibrated survival pays for
         its verification. Each draft's confidence depends only on the drafts before it, so the
-        cut never looks at a draft's own value (sampling stays exact)."""
+        cut never looks at a draft's own value (sampling stays exact). A probe's draft is always
+        verified: a probe cut away would teach nothing and count as a rejection."""
+        if self.probing:
+            return min(len(confidences), 1)
         survival, keep = 1.0, 0
         for confidence in confidences:
             survival *= self.calibration.rate(confidence)
@@ -175,8 +184,8 @@ class AutoSchedule:
         self.head_call = _average(self.head_call, call_seconds)
         if step_seconds is not None:
             self.head_step = _average(self.head_step, step_seconds)
-        if self.since_head >= self.probe_interval:  # this was a probe
-            self.probe_interval = 1 if accepted else min(2 * self.probe_interval, LONGEST_PROBE_INTERVAL)
+        if self.probing:  # an accepted probe is a count for the estimates, not a verdict
+            self.probe_interval = min(2 * self.probe_interval, LONGEST_PROBE_INTERVAL)
         self.since_head = 0
 
     def record_ngram(self, match: int, drafts: int, accepted: int) -> None:

@@ -121,6 +121,24 @@ def test_auto_schedule_stops_running_a_useless_head_and_probes_it_ever_less():
     assert schedule.plan(True, 3, match=2)[1] == 3
 
 
+def test_auto_schedule_probes_a_head_ever_less_when_its_accepted_drafts_do_not_pay():
+    """A head accepted one probe in four, too slow to pay for that: an accepted probe must not
+    bring the head back at every forward (it did: a reset to interval 1 on each accepted probe)."""
+    schedule = AutoSchedule(COST, steps=4)
+    heads, probes = [], 0
+    for _ in range(400):
+        head_drafts, _ = schedule.plan(True, 0, match=0)
+        heads.append(head_drafts)
+        if head_drafts:
+            if schedule.probing:  # one draft, verified however unsure
+                assert head_drafts == 1 and schedule.cut([0.01], 0) == 1
+            probes += 1
+            accepted = int(probes % 4 == 0)
+            schedule.record_head([0.5] * head_drafts, min(accepted, head_drafts), call_seconds=0.5, step_seconds=0.5)
+    assert sum(map(bool, heads[-200:])) <= 4, heads[-200:]
+    assert probes >= 8  # and probed it still
+
+
 def test_auto_schedule_drafts_long_chains_from_a_head_that_is_always_right():
     schedule = AutoSchedule(COST, steps=6)
     for _ in range(50):

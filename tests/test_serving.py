@@ -89,6 +89,7 @@ def test_bench_json_interface(checkpoint, tmp_path):
         assert key in entry
     assert entry["identical"] == 1.0 and entry["unexplained_divergences"] == 0 and entry["n_prompts"] == 2
     assert len(entry["accept_rate_by_pos"]) == 3 and entry["accept_len"] >= 1.0
+    assert entry["drafted_forwards"] == 1.0  # a fixed chain drafts at every forward
     assert entry["tokens_per_s_prompt_lookup"] > 0 and entry["speedup_over_prompt_lookup"] > 0
     assert (tmp_path / "res.png").exists()
     assert 0 < report["alpha_floor"] < 2 and entry["alpha_over_floor"] > 0
