@@ -85,7 +85,7 @@ class DFlash(ParallelDrafter):
     class Settings(settings.Drafter):
         block_size: int = at_least(2)
         num_layers: int = at_least(1)
-        aux_layers: list[int] | None = at_least(0)
+        aux_layers: list[int] | None = at_least(0, distinct=True)
         num_aux: int = at_least(1)
         mask_token_id: int | None = at_least(0)
         blocks_per_sequence: int = at_least(1)

@@ -41,7 +41,7 @@ class Eagle3Layer(DraftLayer):
 class Eagle3(StepDrafter):
     @dataclass
     class Settings(settings.Drafter):
-        aux_layers: list[int] | None = at_least(0)
+        aux_layers: list[int] | None = at_least(0, distinct=True)
         ttt_steps: int = at_least(1)
         loss_decay: float = above(0)
         init_head_from_target: bool = anything()

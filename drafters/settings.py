@@ -5,7 +5,7 @@ is allowed.
 A schema is a dataclass whose fields are the keys of one config node: the annotation is the type
 (`int`, `float`, `bool`, `str`, `list[int]`, `dict` for a free-form node, another schema for a
 nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of` /
-`nonempty` give the range. Defaults stay in the YAML: a schema only says what is allowed.
+`nonempty` give the range (`at_least(..., distinct=True)`: a list without repeats). Defaults stay in the YAML: a schema only says what is allowed.
 
     @dataclass
     class Trainer:
@@ -36,6 +36,7 @@ class Allowed:
     open_low: bool = False
     choices: tuple = ()
     nonempty: bool = False
+    distinct: bool = False  # a list: no value twice
 
     def problem(self, value) -> str | None:
         if self.nonempty:
@@ -54,8 +55,8 @@ def _rule(allowed: Allowed | None = None):
     return dataclasses.field(default=None, metadata={"allowed": allowed})
 
 
-def at_least(low: float):
-    return _rule(Allowed(low=low))
+def at_least(low: float, distinct: bool = False):
+    return _rule(Allowed(low=low, distinct=distinct))
 
 
 def above(low: float):
@@ -118,6 +119,8 @@ def _check_value(key: str, value, kind, allowed: Allowed | None) -> None:
             raise UserError(f"{key}={_show(value)}: must be a non-empty list, each {_describe(typing.get_args(kind)[0], allowed)}")
         for index, item in enumerate(value):
             _check_value(f"{key}[{index}]", item, typing.get_args(kind)[0], allowed)
+        if allowed and allowed.distinct and len(set(value)) < len(value):
+            raise UserError(f"{key}={_show(value)}: names a value twice")
         return
     if not _is(value, kind):
         raise UserError(f"{key}={_show(value)}: must be {_describe(kind, allowed)}")

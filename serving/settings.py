@@ -36,7 +36,7 @@ class Decoding:
     ngram: Ngram = anything()
     temperature: float = at_least(0)
     top_p: float = between(0, 1, open_low=True)
-    seed: int = anything()
+    seed: int = between(0, 2**32 - 1)  # numpy's seed range, as in training
 
 
 @dataclass

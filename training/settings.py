@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from drafters import settings
 from drafters.base import check_settings
 from drafters.errors import UserError
-from drafters.settings import PRECISIONS, above, anything, at_least, between, one_of
+from drafters.settings import PRECISIONS, above, anything, at_least, between, nonempty, one_of
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Launch:
 class Train:
     seed: int = between(0, 2**32 - 1)  # numpy's seed range
     run_name: str = anything()
-    cache_dir: str = anything()
+    cache_dir: str = nonempty()
     trainer: Trainer = anything()
     data: Data = anything()
     logger: Logger = anything()
