@@ -5,7 +5,8 @@ is allowed.
 A schema is a dataclass whose fields are the keys of one config node: the annotation is the type
 (`int`, `float`, `bool`, `str`, `list[int]`, `dict` for a free-form node, another schema for a
 nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of` /
-`nonempty` give the range (`at_least(..., distinct=True)`: a list without repeats). Defaults stay in the YAML: a schema only says what is allowed.
+`nonempty` give the range (`at_least(..., distinct=True)`: a list without repeats). Defaults stay
+in the YAML: a schema only says what is allowed.
 
     @dataclass
     class Trainer:
