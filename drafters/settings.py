@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafters.errors import UserError
+from drafters.errors import UserError, no_such_setting
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def check(cfg: DictConfig, schema: type, prefix: str = "", present_only: bool = 
     known = [spec.name for spec in dataclasses.fields(schema)]
     unknown = [] if present_only else [name for name in cfg.keys() if name not in known]
     if unknown:  # `+trainer.lerning_rate=...` would otherwise be ignored without a word
-        raise UserError(f"{prefix}{unknown[0]}: no such setting (the settings here: {', '.join(known)})")
+        raise no_such_setting(f"{prefix}{unknown[0]}", known)
     for spec in dataclasses.fields(schema):
         key = f"{prefix}{spec.name}"
         if present_only and spec.name not in cfg.keys():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from contextlib import contextmanager
 
@@ -80,6 +81,22 @@ def check_writable(out: str, key: str = "out") -> None:
         raise UserError(f"{key} {out}: directory {directory} is not writable")
     if os.path.isdir(out):
         raise UserError(f"{key} {out} is a directory, not a file")
+
+
+def check_creatable(directory: str, key: str) -> None:
+    """Refuse a directory destination that cannot be made: its nearest existing ancestor must be a
+    directory this process can create entries in (a probe, not `os.access`: root passes that
+    everywhere, /proc included)."""
+    path = os.path.abspath(directory)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise UserError(f"{key} {directory}: {path} is not a directory")
+    if path != os.path.abspath(directory):
+        try:
+            os.rmdir(tempfile.mkdtemp(dir=path, prefix=".specdraft-probe-"))
+        except OSError as error:
+            raise UserError(f"{key} {directory}: cannot make a directory in {path} ({error.strerror})") from None
 
 
 def temp_beside(path: str, kind: str = PARTIAL) -> str:

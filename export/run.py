@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import settings
 from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
 from drafters.base import check_settings
-from drafters.errors import UserError, entry_point
+from drafters.errors import UserError, command
 from drafters.settings import anything, at_least, nonempty
 from drafters.target import load_target
 from drafters.writes import STATE_FILE, atomic_directory, check_directory_destination
@@ -112,8 +111,7 @@ def export(cfg: DictConfig) -> str:
             f"verifier {saved.verifier['name_or_path'] or '(none recorded)'}")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="export")
-@entry_point
+@command("export")
 def main(cfg: DictConfig) -> None:
     print(export(cfg))
 

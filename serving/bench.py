@@ -10,12 +10,11 @@ import json
 import os
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from drafters.errors import UserError, entry_point
+from drafters.errors import UserError, command
 from drafters.settings import check
 from drafters.writes import atomic_file, check_destination, check_writable
 from serving.settings import Bench
@@ -191,8 +190,7 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="bench")
-@entry_point
+@command("bench")
 def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_plain

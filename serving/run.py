@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import sys
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters import precision
-from drafters.errors import UserError, entry_point
+from drafters.errors import UserError, command
 from drafters.precision import Precision
 from drafters.settings import check
 from serving.settings import Serve
@@ -81,8 +80,7 @@ def spec_options(cfg: DictConfig, target, drafter) -> dict:
                 earlier=NgramDrafts([], ngram["shortest"], ngram["longest"]) if earlier else None)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="serve")
-@entry_point
+@command("serve")
 def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_spec, generate_plain

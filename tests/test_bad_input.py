@@ -240,6 +240,17 @@ CASES = [
     ("seed_negative", "training.run", ["seed=-5"], "seed=-5: must be >= 0"),
     ("batch_past_the_data", "training.run", ["trainer.batch_size=1000000"], "trainer.batch_size=1000000: a micro-batch of 1000000 x 1 process(es) is more than the"),
     ("wandb_online_without_a_key", "training.run", ["logger=wandb", "logger.mode=online", "trainer.max_steps=2"], "logger.mode=online: no W&B API key"),
+    # what Hydra itself refuses while composing (before any command of ours runs)
+    ("plain_override_typo", "serving.run", ["artifact={root}/artifact", "total=0"], "total: no such setting (did you mean total_tokens?"),
+    ("plain_override_typo_nested", "training.run", ["trainer.lrr=1"], "trainer.lrr: no such setting (did you mean lr? the settings here: max_steps"),
+    ("export_plain_override_typo", "export.run", ["checkpoint={root}/artifact", "out={tmp}/x", "dtype=int8"], "dtype: no such setting (the settings here: drafter"),
+    ("serve_group_it_does_not_have", "serving.run", ["artifact={root}/artifact", "target=llama"], "target: no such setting (the settings here: artifact"),
+    ("drafter_unknown", "training.dump", ["drafter=nosuch"], "drafter=nosuch: must be one of dflash | dspark | eagle | eagle3"),
+    ("override_unparsable", "training.launch", ["trainer.lr=[1"], "trainer.lr=[1: not a valid override"),
+    ("override_ambiguous_list", "serving.bench", ["artifact={root}/artifact", "steps=1,2"], "Ambiguous value for argument 'steps=1,2'"),
+    ("run_dir_is_a_file", "training.run", ["hydra.run.dir={root}/files/one.jsonl"], "hydra.run.dir {root}/files/one.jsonl: {root}/files/one.jsonl is not a directory"),
+    ("run_dir_below_a_file", "training.run", ["hydra.run.dir={root}/files/one.jsonl/run"], "{root}/files/one.jsonl is not a directory"),
+    ("run_dir_cannot_be_made", "serving.run", ["artifact={root}/artifact", "hydra.run.dir=/proc/specdraft/run"], "cannot make a directory in /proc"),
 ]
 
 

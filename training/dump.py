@@ -14,7 +14,6 @@ import logging
 import os
 import tempfile
 
-import hydra
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig
@@ -22,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from drafters import precision
-from drafters.errors import UserError, entry_point
+from drafters.errors import UserError, command
 from drafters.target import load_target
 from drafters.writes import atomic_file, check_destination, remove_stale_partials
 from training import distributed, hidden_cache, settings
@@ -31,8 +30,7 @@ from training.trainer import build_model, make_batch, prepare_data
 log = logging.getLogger("training")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="train")
-@entry_point
+@command("train")
 def main(cfg: DictConfig) -> None:
     settings.check(cfg)
     dump(cfg)

@@ -13,17 +13,15 @@ import os
 import shlex
 import sys
 
-import hydra
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import BUG, USER_MISTAKE, UserError, entry_point
+from drafters.errors import BUG, USER_MISTAKE, UserError, command
 from training import distributed, settings
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="train")
-@entry_point
+@command("train")
 def main(cfg: DictConfig) -> None:
     settings.check(cfg)
     hydra_cfg = HydraConfig.get()

@@ -5,17 +5,15 @@ from __future__ import annotations
 import logging
 import os
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import entry_point
+from drafters.errors import command
 
 log = logging.getLogger("training")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="train")
-@entry_point
+@command("train")
 def main(cfg: DictConfig) -> None:
     from training import settings
     from training.trainer import train  # heavy imports after Hydra has parsed the command line
