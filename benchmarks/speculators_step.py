@@ -31,30 +31,30 @@ SPEC = TargetSpec(name="smollm2-135m", model_type="llama", hidden_size=576, num_
 DRAFT_VOCAB = 8192
 
 
-def ours(tokens: int, sequences: int):
+def ours(tokens: int, sequences: int, device: torch.device = torch.device("cpu")):
     vocab = build_draft_vocab([(list(range(DRAFT_VOCAB)), [1] * DRAFT_VOCAB)], SPEC.vocab_size, DRAFT_VOCAB, {})
     cfg = OmegaConf.create({"name": "eagle3", "aux_layers": None, "ttt_steps": 7, "loss_decay": 0.8})
-    model = Eagle3(cfg, SPEC, vocab)
+    model = Eagle3(cfg, SPEC, vocab).to(device)
     length = tokens // sequences
-    ids = torch.randint(0, SPEC.vocab_size, (sequences, length))
+    ids = torch.randint(0, SPEC.vocab_size, (sequences, length), device=device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     captured = Captured(
-        aux=[torch.randn(sequences, length, 576, dtype=torch.bfloat16) for _ in range(3)],
-        final=torch.randn(sequences, length, 576, dtype=torch.bfloat16),
-        teacher_logits=torch.randn(sequences, length, DRAFT_VOCAB, dtype=torch.bfloat16),
-        in_vocab=torch.ones(sequences, length, dtype=torch.bool),
-        teacher_token=torch.randint(0, DRAFT_VOCAB, (sequences, length)),
+        aux=[torch.randn(sequences, length, 576, dtype=torch.bfloat16, device=device) for _ in range(3)],
+        final=torch.randn(sequences, length, 576, dtype=torch.bfloat16, device=device),
+        teacher_logits=torch.randn(sequences, length, DRAFT_VOCAB, dtype=torch.bfloat16, device=device),
+        in_vocab=torch.ones(sequences, length, dtype=torch.bool, device=device),
+        teacher_token=torch.randint(0, DRAFT_VOCAB, (sequences, length), device=device),
     )
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss, _ = model.loss(batch, captured)
         loss.backward()
 
     return step
 
 
-def theirs(tokens: int, sequences: int):
+def theirs(tokens: int, sequences: int, device: torch.device = torch.device("cpu")):
     from transformers import LlamaConfig
 
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -72,7 +72,7 @@ def theirs(tokens: int, sequences: int):
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=7)],
             verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])),
     )
-    model = Eagle3DraftModel(config)
+    model = Eagle3DraftModel(config).to(device)
     with torch.no_grad():
         for parameter in model.parameters():
             if torch.isnan(parameter).any():
@@ -80,18 +80,18 @@ def theirs(tokens: int, sequences: int):
         model.t2d[:DRAFT_VOCAB] = True
     model.lm_head.weight.requires_grad_(True)  # ours trains its head too
     length = tokens // sequences
-    hidden = torch.randn(1, tokens, 3 * 576, dtype=torch.bfloat16)
-    ids = torch.randint(0, SPEC.vocab_size, (1, tokens))
-    documents = torch.arange(sequences).repeat_interleave(length).unsqueeze(0)
-    last = torch.randn(1, tokens, 576, dtype=torch.bfloat16)
+    hidden = torch.randn(1, tokens, 3 * 576, dtype=torch.bfloat16, device=device)
+    ids = torch.randint(0, SPEC.vocab_size, (1, tokens), device=device)
+    documents = torch.arange(sequences, device=device).repeat_interleave(length).unsqueeze(0)
+    last = torch.randn(1, tokens, 576, dtype=torch.bfloat16, device=device)
 
     def soft_cross_entropy(logits, targets):
         # speculators' own losses are fused Triton kernels (GPU only); this is the same loss in torch
         return torch.nn.functional.cross_entropy(logits.float(), torch.softmax(targets.float(), -1))
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(hidden, ids, documents, loss_mask=torch.ones(1, tokens, dtype=torch.bool),
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = model(hidden, ids, documents, loss_mask=torch.ones(1, tokens, dtype=torch.bool, device=device),
                         verifier_last_hidden_states=last, ttt_steps=7, ttt_step_loss_decay=0.8,
                         loss_config={"ce": (soft_cross_entropy, 1.0)})
         loss = out[1] if isinstance(out, tuple) else out.loss
@@ -105,8 +105,11 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda (ROCm: cuda too)")
     args = parser.parse_args()
-    steps = {"specdraft": ours(args.tokens, args.sequences), "speculators": theirs(args.tokens, args.sequences)}
+    device = torch.device(args.device)
+    steps = {"specdraft": ours(args.tokens, args.sequences, device),
+             "speculators": theirs(args.tokens, args.sequences, device)}
     for step in steps.values():  # warm-up
         step()
     times = {name: [] for name in steps}

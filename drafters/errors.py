@@ -145,6 +145,8 @@ def check_command_line(config_name: str, overrides: list[str]) -> None:
         run_dir = str(cfg.hydra.run.dir)
     except OmegaConfBaseException:  # an interpolation of the app's own keys: the settings check names it
         return
+    if not run_dir.strip():  # Hydra would run in the working directory, among the user's files
+        raise UserError("hydra.run.dir=: must not be empty")
     from drafters.writes import check_creatable
 
     check_creatable(run_dir, "hydra.run.dir")

@@ -253,10 +253,23 @@ class _ContextChainAttention(torch.autograd.Function):
         return grad_q, grad_k0, grad_v0, grad_chain_k, grad_chain_v
 
 
+def ttt_attention_merged(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """`ttt_attention_reference` as one fused attention call (GPUs: PyTorch's memory-efficient or
+    cuDNN kernel, CUDA and ROCm alike): every (step, position) is a key of its own, and the mask
+    shows step 0 causally and steps >= 1 on the diagonal. Its [T, T * steps] scores are computed in
+    tiles, never stored."""
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    diagonal = torch.eye(length, dtype=torch.bool, device=q.device)
+    mask = torch.cat([causal, *[diagonal] * (len(keys) - 1)], -1)
+    return torch.nn.functional.scaled_dot_product_attention(q, torch.cat(keys, -2), torch.cat(values, -2), attn_mask=mask)
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """TTT attention; on CPU through the fused flash kernel (same result, far less memory traffic)."""
+    """TTT attention through a fused kernel: on CPU the flash kernel with the chain merged in by
+    log-sum-exp (no [T, T] scores), elsewhere one masked attention call."""
     if q.device.type != "cpu":
-        return ttt_attention_reference(q, keys, values)
+        return ttt_attention_merged(q, keys, values)
     if len(keys) == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
     return _ContextChainAttention.apply(

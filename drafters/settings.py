@@ -45,11 +45,17 @@ class Allowed:
         if self.choices:
             return None if value in self.choices else f"must be one of {' | '.join(map(str, self.choices))}"
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
-            return f"must be {'>' if self.open_low else '>='} {self.low:g}" + (
-                f" and <= {self.high:g}" if self.high is not None else "")
+            return f"must be {'>' if self.open_low else '>='} {_number(self.low)}" + (
+                f" and <= {_number(self.high)}" if self.high is not None else "")
         if self.high is not None and value > self.high:
-            return f"must be <= {self.high:g}" + (f" and >= {self.low:g}" if self.low is not None else "")
+            return f"must be <= {_number(self.high)}" + (
+                f" and {'>' if self.open_low else '>='} {_number(self.low)}" if self.low is not None else "")
         return None
+
+
+def _number(bound: float) -> str:
+    """A bound as written: 4294967295, not 4.29497e+09."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 def _rule(allowed: Allowed | None = None):

@@ -220,10 +220,10 @@ def main(cfg: DictConfig) -> None:
         for number, text in enumerate(prompts, 1):
             check_length(target, chat_prompt(target.tokenizer, text).shape[1], cfg.max_new_tokens,
                          f"prompt {number} of {name}")
-    chosen = announce_precision(cfg)
-    generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"], 4, set())
+    chosen = announce_precision(cfg, target.device)
+    generate_plain(target, target.tokenizer("warm up", return_tensors="pt")["input_ids"].to(target.device), 4, set())
     options = spec_options(cfg, target, drafter)
-    floor = alpha_floor(target, drafter, chat_prompt(target.tokenizer, sets[names[0]][0]), cfg.steps) if cfg.draft != "ngram" else None
+    floor = alpha_floor(target, drafter, chat_prompt(target.tokenizer, sets[names[0]][0]).to(target.device), cfg.steps) if cfg.draft != "ngram" else None
     results = {
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": chosen.name, "dtype_requested": cfg.dtype,
                    "draft": cfg.draft, "schedule": cfg.schedule,

@@ -28,9 +28,9 @@ def check_length(target, prompt_tokens: int, max_new_tokens: int, what: str) -> 
                         f"{positions} positions of target {target.spec.name}")
 
 
-def announce_precision(cfg: DictConfig) -> Precision:
-    """The one line that says which precision serving runs in, and why."""
-    chosen = precision.resolve(cfg.dtype)
+def announce_precision(cfg: DictConfig, device: torch.device) -> Precision:
+    """The one line that says which precision serving runs in on `device`, and why."""
+    chosen = precision.resolve(cfg.dtype, device)
     print(f"precision: {chosen.describe()}; {chosen.hardware.describe()}", file=sys.stderr)
     return chosen
 
@@ -90,7 +90,7 @@ def main(cfg: DictConfig) -> None:
     if not cfg.prompt.strip():
         raise UserError("prompt is empty: pass prompt=\"...\"")
     target, drafter = artifact.load(cfg.artifact, dtype=cfg.dtype)
-    announce_precision(cfg)
+    announce_precision(cfg, target.device)
     ids = chat_prompt(target.tokenizer, cfg.prompt).to(target.device)
     check_length(target, ids.shape[1], cfg.max_new_tokens, "prompt")
     eos = {target.tokenizer.eos_token_id}

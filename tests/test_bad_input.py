@@ -251,6 +251,10 @@ CASES = [
     ("run_dir_is_a_file", "training.run", ["hydra.run.dir={root}/files/one.jsonl"], "hydra.run.dir {root}/files/one.jsonl: {root}/files/one.jsonl is not a directory"),
     ("run_dir_below_a_file", "training.run", ["hydra.run.dir={root}/files/one.jsonl/run"], "{root}/files/one.jsonl is not a directory"),
     ("run_dir_cannot_be_made", "serving.run", ["artifact={root}/artifact", "hydra.run.dir=/proc/specdraft/run"], "cannot make a directory in /proc"),
+    ("run_dir_empty", "training.run", ["hydra.run.dir="], "hydra.run.dir=: must not be empty"),
+    ("dump_cache_dir_a_file", "training.dump", ["data.cache.dir=/dev/null"], "data.cache.dir /dev/null: /dev/null is not a directory"),
+    ("serve_seed_past_the_range", "serving.run", ["artifact={root}/artifact", "seed=99999999999"], "seed=99999999999: must be <= 4294967295 and >= 0"),
+    ("serve_top_p_above_one", "serving.run", ["artifact={root}/artifact", "top_p=2"], "top_p=2: must be <= 1 and > 0"),
 ]
 
 

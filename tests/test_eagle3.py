@@ -1,13 +1,12 @@
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from conftest import compose_train
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.eagle3 import default_aux_layers
 from drafters.errors import UserError
-from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_reference
+from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_merged, ttt_attention_reference
 from drafters.target import full_attention_rope
 from drafters.vocab import build_draft_vocab
 
@@ -90,17 +89,6 @@ def test_aux_layers_out_of_range_is_user_error(tiny_target):
         build_drafter(cfg, tiny_target, random_vocab(tiny_target.spec.vocab_size, 64))
 
 
-def brute_force_ttt(q, keys, values):
-    """Every (step, position) as its own key; explicit mask: step 0 causal, steps >= 1 diagonal."""
-    length = q.shape[-2]
-    all_keys, all_values = torch.cat(keys, -2), torch.cat(values, -2)
-    mask = torch.zeros(length, length * len(keys), dtype=torch.bool)
-    mask[:, :length] = torch.ones(length, length, dtype=torch.bool).tril()
-    for j in range(1, len(keys)):
-        mask[:, j * length : (j + 1) * length] = torch.eye(length, dtype=torch.bool)
-    return F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask)
-
-
 @pytest.mark.parametrize("steps", [1, 2, 5])
 def test_ttt_attention_matches_explicit_mask(steps):
     generator = torch.Generator().manual_seed(steps)
@@ -108,16 +96,18 @@ def test_ttt_attention_matches_explicit_mask(steps):
     q = torch.randn(shape, generator=generator)
     keys = [torch.randn(shape, generator=generator) for _ in range(steps)]
     values = [torch.randn(shape, generator=generator) for _ in range(steps)]
-    torch.testing.assert_close(ttt_attention_reference(q, keys, values), brute_force_ttt(q, keys, values))
+    torch.testing.assert_close(ttt_attention_reference(q, keys, values), ttt_attention_merged(q, keys, values))
 
 
+@pytest.mark.parametrize("fused_attention", [ttt_attention, ttt_attention_merged], ids=["cpu_flash", "merged_mask"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("steps", [1, 3, 7])
-def test_fused_cpu_ttt_attention_matches_reference_with_gradients(steps, dtype, tol):
+def test_fused_ttt_attention_matches_reference_with_gradients(steps, dtype, tol, fused_attention):
+    """Both fused paths (the CPU flash merge; the merged mask GPUs run) against the reference."""
     generator = torch.Generator().manual_seed(10 + steps)
     make = lambda: torch.randn(2, 3, 29, 16, generator=generator).to(dtype).requires_grad_()  # noqa: E731
     q, keys, values = make(), [make() for _ in range(steps)], [make() for _ in range(steps)]
-    fused, reference = ttt_attention(q, keys, values), ttt_attention_reference(q, keys, values)
+    fused, reference = fused_attention(q, keys, values), ttt_attention_reference(q, keys, values)
     torch.testing.assert_close(fused, reference, atol=tol, rtol=tol)
     weight = torch.randn(fused.shape, generator=generator).to(dtype)
     inputs = [q, *keys, *values]

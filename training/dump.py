@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from drafters import precision
 from drafters.errors import UserError, command
 from drafters.target import load_target
-from drafters.writes import atomic_file, check_destination, remove_stale_partials
+from drafters.writes import atomic_file, check_creatable, check_destination, remove_stale_partials
 from training import distributed, hidden_cache, settings
 from training.trainer import build_model, make_batch, prepare_data
 
@@ -80,6 +80,7 @@ def dump(cfg: DictConfig) -> dict:
 
 def check_cache_dir(directory: str) -> None:
     """A cache goes into a directory of its own: one that holds no cache yet must be new or empty."""
+    check_creatable(directory, "data.cache.dir")
     if not os.path.isdir(directory) or hidden_cache.read_index(directory) is not None:
         return
     others = sorted(name for name in os.listdir(directory) if not name.startswith("."))
