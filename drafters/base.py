@@ -90,8 +90,9 @@ class Drafter(nn.Module):
     def init_from_target(self, target: Target) -> None:
         """Copy (frozen) weights the drafter shares with its target, e.g. the token embedding."""
 
-    def loss(self, batch: dict, captured: Captured) -> tuple[torch.Tensor, dict[str, float]]:
-        """Training loss and metrics (`acc/k` for k = 1..K, top-1 agreement with the target)."""
+    def loss(self, batch: dict, captured: Captured) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training loss and metrics (`acc/k` for k = 1..K, top-1 agreement with the target), each
+        metric a detached 0-dim tensor: the trainer reads them only when it logs."""
         raise NotImplementedError
 
     def forward(self, batch: dict, captured: Captured):

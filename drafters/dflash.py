@@ -212,12 +212,12 @@ class DFlash(ParallelDrafter):
         present = torch.bincount(slot - 1, minlength=self.block_size - 1) > 0
         return (weights * self.per_slot(values, slot)).sum() / (weights * present).sum().clamp(min=1e-6)
 
-    def slot_metrics(self, logits: torch.Tensor, rows: BlockRows, **per_row: torch.Tensor) -> dict[str, float]:
+    def slot_metrics(self, logits: torch.Tensor, rows: BlockRows, **per_row: torch.Tensor) -> dict[str, torch.Tensor]:
         """acc/j (top-1 agreement with the target at slot j) and, for each named per-row value, name/j."""
         metrics = {}
         series = {"acc": (logits.argmax(-1) == rows.teacher_token).float(), **per_row}
         for name, values in series.items():
-            for j, value in enumerate(self.per_slot(values.detach(), rows.slot).tolist(), 1):
+            for j, value in enumerate(self.per_slot(values.detach(), rows.slot), 1):
                 metrics[f"{name}/{j}"] = value
         return metrics
 

@@ -95,11 +95,11 @@ class Eagle(StepDrafter):
         rows = trained_positions(batch, captured)[:, 1:]
         predicted = predicted[:, :-1][rows].float()
         feature_loss = F.smooth_l1_loss(predicted, feature[:, 1:][rows].float(), reduction="none").mean(-1)
-        feature_loss = feature_loss.sum() / max(int(rows.sum()), 1)
+        feature_loss = feature_loss.sum() / rows.sum().clamp(min=1)
         teacher = torch.softmax(captured.teacher_logits[:, 1:][rows].float(), -1)
         token_loss, accuracy = distill(self.lm_head(predicted), teacher, captured.teacher_token[:, 1:][rows])
         total = float(self.cfg.feature_weight) * feature_loss + float(self.cfg.token_weight) * token_loss
-        return total, {"acc/1": accuracy, "loss/feature": feature_loss.item(), "loss/token": token_loss.item()}
+        return total, {"acc/1": accuracy, "loss/feature": feature_loss.detach(), "loss/token": token_loss.detach()}
 
     # ---- serving (StepDrafter): one extrapolation step per call, keys/values kept in a DraftCache
 

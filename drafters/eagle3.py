@@ -100,7 +100,7 @@ class Eagle3(StepDrafter):
             step_loss, metrics[f"acc/{k + 1}"] = distill(logits, teacher[:, shift:][rows],
                                                           captured.teacher_token[:, shift:][rows])
             total = total + decay**k * step_loss
-            metrics[f"loss/{k + 1}"] = step_loss.item()
+            metrics[f"loss/{k + 1}"] = step_loss.detach()
         return total, metrics
 
 

@@ -15,13 +15,14 @@ def trained_positions(batch: dict, captured: Captured) -> torch.Tensor:
     return F.pad(batch["loss_mask"][:, 1:], (0, 1)).bool() & captured.in_vocab
 
 
-def distill(logits: torch.Tensor, teacher: torch.Tensor, teacher_token: torch.Tensor) -> tuple[torch.Tensor, float]:
+def distill(logits: torch.Tensor, teacher: torch.Tensor, teacher_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft cross-entropy of draft `logits` [N, V_draft] against the `teacher` distribution [N, V_draft],
-    averaged over the N rows, and the fraction of rows whose top-1 is the target's greedy token."""
+    averaged over the N rows, and the fraction of rows whose top-1 is the target's greedy token (a
+    detached 0-dim tensor, as every metric is: reading it would make the GPU wait)."""
     count = max(len(logits), 1)
     logits = logits.float()
     loss = F.cross_entropy(logits, teacher, reduction="sum") / count
-    return loss, (logits.argmax(-1) == teacher_token).sum().item() / count
+    return loss, (logits.argmax(-1) == teacher_token).sum().detach() / count
 
 
 def normalized_decay(decay: float, steps: int) -> list[float]:
@@ -48,5 +49,5 @@ def unrolled_distill(batch: dict, captured: Captured, feature: torch.Tensor, wei
         step_loss, metrics[f"acc/{shift}"] = distill(head(feature[:, : length - shift][rows]), teacher[:, shift:][rows],
                                                      captured.teacher_token[:, shift:][rows])
         total = total + weight * step_loss
-        metrics[f"loss/{shift}"] = step_loss.item()
+        metrics[f"loss/{shift}"] = step_loss.detach()
     return total, metrics

@@ -105,7 +105,7 @@ class Medusa(ParallelDrafter):
             logits = lm_head(block(hidden[:, : length - k][rows]))
             head_loss, metrics[f"acc/{k}"] = distill(logits, teacher[:, k:][rows], captured.teacher_token[:, k:][rows])
             total = total + float(self.cfg.loss_decay) ** (k - 1) * head_loss
-            metrics[f"loss/{k}"] = head_loss.item()
+            metrics[f"loss/{k}"] = head_loss.detach()
         return total, metrics
 
     # ---- serving: chains and trees of the heads' guesses (ParallelDrafter)

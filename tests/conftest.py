@@ -192,7 +192,7 @@ def train_steps(drafter, batch: dict, captured, steps: int, lr: float = 1e-2) ->
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        history.append((loss.item(), metrics["acc/1"]))
+        history.append((loss.item(), float(metrics["acc/1"])))
     return history
 
 

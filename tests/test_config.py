@@ -51,5 +51,6 @@ def test_cfg_job_prints_resolved_config():
 
 def test_unknown_drafter_is_one_clear_error():
     result = run_cli("drafter=nope")
-    assert result.returncode != 0
-    assert "drafter/nope" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["error: drafter=nope: must be one of dflash | dspark | eagle | eagle3 | "
+                                          "gemma_mtp | medusa | mtp"]

@@ -81,7 +81,7 @@ def test_head_k_is_trained_on_the_teacher_k_positions_ahead(target, answer):
                 terms.append(-(teacher * torch.log_softmax(logits, -1)).sum())
                 hits.append(float(logits.argmax() == captured.teacher_token[0, t + k]))
         assert terms
-        torch.testing.assert_close(torch.tensor(metrics[f"loss/{k}"]), torch.stack(terms).mean().detach())
+        torch.testing.assert_close(metrics[f"loss/{k}"], torch.stack(terms).mean().detach())
         assert metrics[f"acc/{k}"] == pytest.approx(sum(hits) / len(hits))
         expected = expected + 0.8 ** (k - 1) * torch.stack(terms).mean()
     torch.testing.assert_close(loss.detach(), expected.detach())

@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, kill_while_writing
+from conftest import ROOT, compose_train, distilled_setup, kill_while_writing
 from drafters.artifact import read
 
 TINY = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "trainer.batch_size=2",
@@ -60,8 +61,11 @@ def test_sigkill_while_saving_then_resume_is_bitwise_identical(tmp_path):
     bitwise where an uninterrupted run ends."""
     settings = ["trainer.max_steps=16", "trainer.save_every=4", "trainer.eval_every=100", "trainer.log_every=1",
                 "logger=none", "trainer.keep_last=10"]
+    # every run on one thread, as kill_while_writing's are: on some CPUs (Intel with AMX, 2026-12-02) a
+    # bf16 matmul on one thread and on two round differently
+    one_thread = {"OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
-    assert train(reference, *settings).returncode == 0
+    assert train(reference, *settings, env=one_thread).returncode == 0
 
     interrupted = tmp_path / "interrupted"
     for step, delay in ((8, 0.042), (12, 0.007)):  # late and early in the write
@@ -72,7 +76,7 @@ def test_sigkill_while_saving_then_resume_is_bitwise_identical(tmp_path):
         read(latest).build(latest)  # whole: the previous checkpoint or the new one
         assert os.path.basename(latest) in (f"step-{step - 4}", f"step-{step}")
 
-    result = train(interrupted, *settings, "trainer.resume=auto")
+    result = train(interrupted, *settings, "trainer.resume=auto", env=one_thread)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {latest}" in result.stdout + result.stderr
     final = load_file(interrupted / "checkpoints" / "step-16" / "model.safetensors")
@@ -112,3 +116,18 @@ def test_smollm2_few_steps_loss_goes_down(tmp_path):
     losses = [r["train/loss"] for r in records(run_dir) if "train/loss" in r]
     assert len(losses) == 4
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "medusa", "mtp", "gemma_mtp", "dflash", "dspark"])
+def test_metrics_are_detached_scalars_the_step_never_reads(name, tiny_target):
+    """A training step reads no value off the device (on a GPU each read waits for it): every
+    drafter's metrics are detached 0-dim tensors, summed on the device until the trainer logs."""
+    from drafters.base import build_drafter, capture
+
+    target, batch, vocab = distilled_setup(tiny_target)
+    overrides = ["target=tiny_llama", f"drafter={name}"] + (["drafter.num_aux=1"] if name in ("dflash", "dspark") else [])
+    drafter = build_drafter(compose_train(overrides).drafter, target, vocab)
+    loss, metrics = drafter.loss(batch, capture(target, vocab, batch, drafter.capture_layers()))
+    assert loss.requires_grad and "acc/1" in metrics
+    for key, value in metrics.items():
+        assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad, key

@@ -152,8 +152,8 @@ def evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id) -> di
         tokens = float(predicts.sum())
         covered += float((captured.in_vocab[:, :-1] & predicts).sum())
         masked += tokens
-        for key, value in {"loss": loss.item(), **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + value * tokens
+        for key, value in {"loss": loss, **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + float(value) * tokens
         weights += tokens
     result = {f"eval/{key}": value / max(weights, 1.0) for key, value in totals.items()}
     if cfg.trainer.eval_accept_prompts > 0:
@@ -324,8 +324,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
                 if accelerator.sync_gradients:  # once per optimizer step, whatever the number of processes
                     schedule.step()
                 optimizer.zero_grad()
-            window["tokens"] += int(batch["attention_mask"].sum()) * accelerator.num_processes
-            window["loss"] += loss.item()
+            # no reads of device values in a step (each would make the host wait for the GPU): the
+            # window's sums stay tensors until it is logged
+            window["tokens"] += batch["attention_mask"].sum() * accelerator.num_processes
+            window["loss"] += loss.detach()
             window["n"] += 1
             for key, value in metrics.items():
                 window["metrics"][key] = window["metrics"].get(key, 0.0) + value
@@ -336,9 +338,9 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         progress.update()
         last = done == rate.total
         if done % cfg.trainer.log_every == 0 or last:
-            values = {"train/loss": window["loss"] / window["n"], "train/lr": schedule.get_last_lr()[0],
-                      "perf/tokens_per_s": window["tokens"] / window["time"]}
-            values.update({f"train/{k}": v / window["n"] for k, v in window["metrics"].items() if k.startswith("acc/")})
+            values = {"train/loss": float(window["loss"]) / window["n"], "train/lr": schedule.get_last_lr()[0],
+                      "perf/tokens_per_s": float(window["tokens"]) / window["time"]}
+            values.update({f"train/{k}": float(v) / window["n"] for k, v in window["metrics"].items() if k.startswith("acc/")})
             metrics_log.log(done, values)
             progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
                                  tok_s=f"{values['perf/tokens_per_s']:.0f}")
