@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from drafters.errors import UserError
 from serving.prompts import load_prompts
 from training import data
+from training import data
 from training.data import build_datasets, collate, load_conversations, regenerate, render
 
 
@@ -273,17 +274,20 @@ PROMPTS = [
 ]
 
 
-class CountingGenerate:
-    """Wraps model.generate, counting calls and optionally failing from a given call on."""
+class CountingDecode:
+    """Wraps training.data._decode (one call per batch), counting calls and optionally failing from
+    a given call on."""
 
-    def __init__(self, generate, fail_from=None):
-        self.generate, self.calls, self.fail_from = generate, 0, fail_from
+    decode = staticmethod(data._decode)
+
+    def __init__(self, fail_from=None):
+        self.calls, self.fail_from = 0, fail_from
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.fail_from is not None and self.calls >= self.fail_from:
-            raise RuntimeError("generate must not be called")
-        return self.generate(*args, **kwargs)
+            raise RuntimeError("decoding must not run")
+        return self.decode(*args, **kwargs)
 
 
 def test_regenerate_and_cache(tokenizer, tiny_model, tmp_path, monkeypatch, caplog):
@@ -302,32 +306,49 @@ def test_regenerate_and_cache(tokenizer, tiny_model, tmp_path, monkeypatch, capl
     assert out[1][-1]["content"] == tokenizer.decode(expected)
     assert len(list(tmp_path.glob("regenerated-*.json"))) == 1 and not list(tmp_path.glob("*.partial.jsonl"))
 
-    generate = tiny_model.generate
-    monkeypatch.setattr(tiny_model, "generate", CountingGenerate(generate, fail_from=1))
+    monkeypatch.setattr(data, "_decode", CountingDecode(fail_from=1))
     with caplog.at_level(logging.INFO, logger="training.data"):
         assert regenerate(tiny_model, tokenizer, PROMPTS, **kwargs) == out
     assert "reusing regenerated data from" in caplog.text
 
-    counting = CountingGenerate(generate)
-    monkeypatch.setattr(tiny_model, "generate", counting)
+    counting = CountingDecode()
+    monkeypatch.setattr(data, "_decode", counting)
     regenerate(tiny_model, tokenizer, PROMPTS, **{**kwargs, "max_new_tokens": 4})
     assert counting.calls == 2 and len(list(tmp_path.glob("regenerated-*.json"))) == 2
 
 
 def test_regenerate_resumes_after_interruption(tokenizer, tiny_model, tmp_path, monkeypatch):
     kwargs = dict(max_new_tokens=3, batch_size=1, cache_dir=str(tmp_path), target_id="tiny")
-    generate = tiny_model.generate
-    monkeypatch.setattr(tiny_model, "generate", CountingGenerate(generate, fail_from=2))
+    monkeypatch.setattr(data, "_decode", CountingDecode(fail_from=2))
     with pytest.raises(RuntimeError):
         regenerate(tiny_model, tokenizer, PROMPTS, **kwargs)
     assert len(list(tmp_path.glob("*.partial.jsonl"))) == 1
 
-    counting = CountingGenerate(generate)
-    monkeypatch.setattr(tiny_model, "generate", counting)
+    counting = CountingDecode()
+    monkeypatch.setattr(data, "_decode", counting)
     resumed = regenerate(tiny_model, tokenizer, PROMPTS, **kwargs)
     assert counting.calls == 2  # the first batch came from the partial file
-    monkeypatch.setattr(tiny_model, "generate", generate)
+    monkeypatch.setattr(data, "_decode", CountingDecode.decode)
     assert regenerate(tiny_model, tokenizer, PROMPTS, **{**kwargs, "cache_dir": str(tmp_path / "fresh")}) == resumed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-6])
+def test_batched_decoding_equals_generate_row_by_row(tiny_model, temperature):
+    """Each row of a left-padded batch, rows ending at different steps (end tokens chosen among
+    what the model emits) and leaving the batch, is the lone prompt's greedy `generate` answer cut
+    at its end token; sampling at a temperature near 0 draws the same tokens."""
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 6, 12, 4)]
+    ids, mask = data._left_pad(prompts, 0)
+    with torch.inference_mode():
+        free = data._decode(tiny_model, ids, mask, 12, set(), 0.0)
+        ends = {free[0][4], free[2][1]}  # rows 0 and 2 end early; others may too
+        rows = data._decode(tiny_model, ids, mask, 12, ends, temperature)
+    assert [len(row) for row in free] == [12] * len(prompts) and len(rows[0]) <= 4 and len(rows[2]) <= 1
+    for prompt, row in zip(prompts, rows):
+        with torch.inference_mode():
+            alone = tiny_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        expected = alone[0, len(prompt):].tolist()
+        assert row == expected[: next((k for k, token in enumerate(expected) if token in ends), len(expected))]
 
 
 def test_regenerate_drops_prompts_too_long_for_training(tokenizer, tiny_model, tmp_path):

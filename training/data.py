@@ -12,14 +12,17 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import datasets
 import jinja2
 import torch
 from tqdm.auto import tqdm
+from transformers.cache_utils import Cache
 
 from drafters.errors import UserError
+from drafters.layers import BufferedLayer
 from drafters.writes import atomic_file
 
 logger = logging.getLogger(__name__)
@@ -423,23 +426,64 @@ def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
     # Longest first: batches of similar length waste less on padding, and a prompt too long
     # for memory fails at once rather than at the end.
     todo = sorted((i for i in range(len(prompts)) if i not in answers), key=lambda i: -len(token_ids[i]))
-    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
-
+    began, produced = time.perf_counter(), 0
     with torch.inference_mode(), open(partial, "a", encoding="utf-8") as log, \
             tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             ids, mask = _left_pad([token_ids[i] for i in batch], pad_id)
-            out = model.generate(
-                input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                max_new_tokens=max_new_tokens, pad_token_id=pad_id, **sampling,
-            )
-            for i, row in zip(batch, out[:, ids.shape[1] :].tolist()):
-                end = next((k for k, t in enumerate(row) if t in eos), len(row))
-                answers[i] = tokenizer.decode(row[:end], skip_special_tokens=False)
+            rows = _decode(model, ids.to(model.device), mask.to(model.device), max_new_tokens, eos, temperature)
+            for i, row in zip(batch, rows):
+                answers[i] = tokenizer.decode(row, skip_special_tokens=False)
                 log.write(json.dumps({"i": i, "answer": answers[i]}, ensure_ascii=False) + "\n")
             log.flush()
+            produced += sum(len(row) for row in rows)
             bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{produced / (time.perf_counter() - began):.0f}")
+    if todo:
+        logger.info("regeneration: %d answers, %d tokens in %.0f s (%.0f tokens/s)", len(todo), produced,
+                    time.perf_counter() - began, produced / (time.perf_counter() - began))
+
+
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: set[int],
+            temperature: float) -> list[list[int]]:
+    """The answers to a batch of left-padded prompts, each up to (not including) its end token:
+    greedy, or sampled at `temperature`. Faster than `generate` on CPU (measured, SmolLM2, batch
+    64: docs): the KV cache is written by position, not concatenated at every token; the lm_head
+    reads each row's last hidden state as a contiguous [B, H] (a bf16 linear on the strided
+    [B, 1, H] view `generate` passes runs ~250x slower on CPU: 7-12 s a batch); rows that finished
+    leave the batch once a quarter of it has."""
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    cache = Cache(layer_class_to_replicate=BufferedLayer)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
+    rows: list[list[int]] = [[] for _ in range(len(ids))]
+    live = list(range(len(ids)))  # the answer each batch row writes; None once it has ended
+    for step in range(max_new_tokens):
+        logits = head(hidden[:, -1].contiguous()).float()
+        if cap:  # Gemma-style soft-capping, as the model's own forward applies it
+            logits = torch.tanh(logits / cap) * cap
+        tokens = (logits.argmax(-1) if temperature <= 0
+                  else torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(1))
+        for row, token in enumerate(tokens.tolist()):
+            if live[row] is not None:
+                if token in eos:
+                    live[row] = None
+                else:
+                    rows[live[row]].append(token)
+        going = [row for row, answer in enumerate(live) if answer is not None]
+        if not going or step + 1 == max_new_tokens:
+            break
+        if len(going) <= 0.75 * len(live):  # one copy of the cache per quarter of the batch that ended
+            keep = torch.tensor(going, device=ids.device)
+            cache.batch_select_indices(keep)
+            mask, positions, tokens, live = mask[keep], positions[keep], tokens[keep], [live[row] for row in going]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
+        positions = positions[:, -1:] + 1
+        hidden = body(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                      use_cache=True).last_hidden_state
+    return rows
 
 
 # --------------------------------------------------------------------------- datasets
