@@ -96,9 +96,9 @@ def kernel_cases(shapes: dict, device: torch.device, generator: torch.Generator)
                kernels.compact_kv_reference, 2 * B * H * L * D * cache.element_size(), (cache, src, start, lengths))
 
 
-def check_kernels(smoke: bool, device: torch.device, repeats: int) -> list[dict]:
+def check_kernels(smoke: bool, device: torch.device, repeats: int, bandwidth: float) -> list[dict]:
+    """Every kernel case; `bandwidth`: bytes per second of a copy, the floor's yardstick."""
     generator = torch.Generator(device).manual_seed(0)
-    bandwidth = copy_bandwidth(device, 8 if smoke else 2048)
     rows = []
     for name, shape, triton, reference, moved, args in kernel_cases(SHAPES["smoke" if smoke else "gpu"], device, generator):
         if name == "compact_kv":  # in place: each implementation on its own copy of the cache
@@ -223,8 +223,9 @@ def main() -> None:
     if "kernels" in parts:
         began = time.perf_counter()
         print("kernels", flush=True)
-        report["device"]["copy_GBps"] = copy_bandwidth(device, 8 if args.smoke else 2048) / 1e9
-        report["kernels"] = check_kernels(args.smoke, device, 5 if args.smoke else 100)
+        bandwidth = copy_bandwidth(device, 8 if args.smoke else 2048)
+        report["device"]["copy_GBps"] = bandwidth / 1e9
+        report["kernels"] = check_kernels(args.smoke, device, 5 if args.smoke else 100, bandwidth)
         report["seconds"]["kernels"] = time.perf_counter() - began
         save()
     if "training" in parts:

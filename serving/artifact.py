@@ -17,8 +17,8 @@ from drafters.target import Target, load_target
 
 def load(path: str, target: Target | None = None, dtype: str = "auto"):
     """(target, drafter) ready to generate, on the GPU where there is one, the target computing in
-    `dtype` (auto: the precision native to that device, whatever the head was trained in); refuses an artifact made for
-    another target."""
+    `dtype` (auto: the precision native to that device, whatever the head was trained in); refuses
+    an artifact made for another target."""
     saved = read(path)
     if target is None:
         target_cfg = OmegaConf.create(saved.target)
