@@ -2,7 +2,7 @@
 
 - a training checkpoint (`<run>/checkpoints/step-N`): `trainer_state.json` + `model.safetensors`;
 - a native artifact (`export.run format=native`): `config.json` + `model.safetensors`, the
-  self-describing form of DESIGN.md: the drafter and its hyper-parameters (aux layer ids as
+  self-describing form of docs/design.md: the drafter and its hyper-parameters (aux layer ids as
   "input of layer k"), the verifier it was made for, default proposal settings.
 
 serving/artifact.py loads either for generation, training fine-tunes one (`drafter.init_from`),

@@ -84,7 +84,7 @@ class Drafter(nn.Module):
         self.cfg, self.spec, self.vocab = cfg, spec, vocab
 
     def capture_layers(self) -> list[int]:
-        """Target layers (DESIGN.md convention: input of layer k) this drafter conditions on."""
+        """Target layers (docs/design.md convention: input of layer k) this drafter conditions on."""
         raise NotImplementedError
 
     def init_from_target(self, target: Target) -> None:

@@ -10,15 +10,15 @@ drafter's own output feature back in (training-time test), with loss weight deca
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from dataclasses import dataclass
 
 from drafters import settings
 from drafters.base import Captured, register
-from drafters.layers import DraftCache, DraftLayer, add_fused_head, copy_target_head, draft_layer_config, ttt_attention
-from drafters.losses import distill, trained_positions
+from drafters.layers import (DraftCache, DraftLayer, UnrolledAttention, add_fused_head, copy_target_head,
+                             draft_layer_config)
+from drafters.losses import unrolled_distill
 from drafters.proposal import StepDrafter
 from drafters.settings import above, anything, at_least
 
@@ -72,37 +72,16 @@ class Eagle3(StepDrafter):
         return self.fc(torch.cat(aux, -1).to(self.fc.weight.dtype))
 
     def loss(self, batch: dict, captured: Captured):
-        input_ids = batch["input_ids"]
-        length = input_ids.shape[1]
-        # position t's teacher predicts token t+1, which counts only if it is an assistant token
-        predicts = trained_positions(batch, captured)
-        teacher = torch.softmax(captured.teacher_logits.float(), -1)
-        feature = self.fuse(captured.aux)
-        positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
-        keys, values = [], []
+        positions = torch.arange(batch["input_ids"].shape[1], device=batch["input_ids"].device).unsqueeze(0)
+        attend = UnrolledAttention()
 
-        def attend(q, key, value):
-            keys.append(key)
-            values.append(value)
-            return ttt_attention(q, keys, values)
-
-        total, metrics = 0.0, {}
-        steps, decay = int(self.cfg.ttt_steps), float(self.cfg.loss_decay)
-        for k in range(steps):
-            # step k, position t: token t+1+k in, predicts token t+2+k (the teacher at t+1+k)
-            shift = 1 + k
-            tokens = F.pad(input_ids[:, shift:], (0, shift))
+        def step(k, tokens, feature):  # step k, position t: token t+1+k in, predicts token t+2+k
             cos, sin = self.rotary(feature, positions + k)
-            feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
-            # the vocabulary-wide work (lm_head, softmax) only on rows that have a target
-            rows = predicts[:, shift:]
-            logits = self.lm_head(self.norm(feature[:, : length - shift][rows]))
-            step_loss, metrics[f"acc/{k + 1}"] = distill(logits, teacher[:, shift:][rows],
-                                                          captured.teacher_token[:, shift:][rows])
-            total = total + decay**k * step_loss
-            metrics[f"loss/{k + 1}"] = step_loss.detach()
-        return total, metrics
+            return self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
 
+        weights = [float(self.cfg.loss_decay) ** k for k in range(int(self.cfg.ttt_steps))]
+        return unrolled_distill(batch, captured, self.fuse(captured.aux), weights, step,
+                                head=lambda feature: self.lm_head(self.norm(feature)))
 
     # ---- serving: the same layer, run incrementally over a DraftCache (see StepDrafter)
 

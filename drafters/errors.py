@@ -1,6 +1,6 @@
 """Bad user input and how every entry point reports it.
 
-The contract (README "When something is wrong"): a user mistake prints one `error: ...` line naming
+The contract (docs/errors.md): a user mistake prints one `error: ...` line naming
 the culprit and exits 2, before anything on disk is touched; an unexpected exception keeps its
 traceback, says it is a bug, and exits 1.
 """

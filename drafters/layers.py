@@ -297,6 +297,19 @@ def ttt_attention_merged(q: torch.Tensor, keys: list[torch.Tensor], values: list
     return torch.nn.functional.scaled_dot_product_attention(q, torch.cat(keys, -2), torch.cat(values, -2), attn_mask=mask)
 
 
+class UnrolledAttention:
+    """The `attend` of a training-time-test unroll: each call (one per step) adds that step's keys and
+    values, and its queries see the target-fed context causally and the chain's own entries at t."""
+
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def __call__(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        self.keys.append(key)
+        self.values.append(value)
+        return ttt_attention(q, self.keys, self.values)
+
+
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
     """TTT attention through a fused kernel: on CPU the flash kernel with the chain merged in by
     log-sum-exp (no [T, T] scores), elsewhere one masked attention call."""

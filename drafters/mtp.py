@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from drafters import settings
 from drafters.base import Captured, register
 from drafters.errors import UserError
-from drafters.layers import DraftCache, TargetNorm, ttt_attention
+from drafters.layers import DraftCache, TargetNorm, UnrolledAttention
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
 from drafters.target import TargetClasses, full_attention_rope
@@ -234,13 +234,7 @@ class MTP(StepDrafter):
 
     def loss(self, batch: dict, captured: Captured):
         positions = torch.arange(batch["input_ids"].shape[1], device=batch["input_ids"].device).unsqueeze(0)
-        keys, values = [], []
-
-        def attend(q, k, v):  # step k at t sees the target-fed context up to t and its own chain at t
-            keys.append(k)
-            values.append(v)
-            return ttt_attention(q, keys, values)
-
+        attend = UnrolledAttention()  # step k at t sees the target-fed context up to t and its own chain at t
         weights = normalized_decay(float(self.cfg.loss_decay), int(self.cfg.ttt_steps))
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights,
                                 step=lambda k, tokens, hidden: self.predict(tokens, hidden, positions + k, attend),

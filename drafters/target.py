@@ -208,7 +208,7 @@ def _check_causal_lm(path: str, gguf_file: str | None):
 class Target:
     """A frozen causal LM plus the hooks that read its hidden states.
 
-    Layer ids follow DESIGN.md: layer k means "the input of decoder layer k" (= HF
+    Layer ids follow docs/design.md: layer k means "the input of decoder layer k" (= HF
     `hidden_states[k]`); k == num_layers is the output of the last layer before the final norm.
     """
 

@@ -169,11 +169,3 @@ def tokenizer_fingerprint(tokenizer) -> str:
         "chat_template": tokenizer.chat_template,
     }
     return hashlib.sha256(json.dumps(state, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-def coverage(vocab: DraftVocab, target_token_ids: torch.Tensor) -> float:
-    """Fraction of the given target tokens (e.g. the target's argmax) the drafter can propose."""
-    ids = target_token_ids.reshape(-1).to(vocab.t2d.device)
-    if not ids.numel():
-        raise ValueError("coverage of an empty set of tokens")
-    return vocab.t2d[ids].float().mean().item()

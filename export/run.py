@@ -10,7 +10,6 @@ artifact is written to a temp dir beside `out` and renamed into place when compl
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,10 +17,10 @@ from drafters import settings
 from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
 from drafters.base import check_settings
 from drafters.errors import UserError, command
-from drafters.settings import anything, at_least, nonempty
 from drafters.target import load_target
 from drafters.writes import STATE_FILE, atomic_directory, check_directory_destination
 from export import formats
+from export.settings import Export
 
 
 def drafter_yaml(name: str) -> DictConfig:
@@ -65,21 +64,6 @@ def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tupl
         target.model.save_pretrained(partial)
         target.tokenizer.save_pretrained(partial)
     return os.path.abspath(out)
-
-
-@dataclass
-class Export:
-    """conf/export.yaml's schema (drafters/settings.py): checked before anything is read."""
-
-    checkpoint: str = nonempty()
-    format: str = anything()  # export/formats names the formats
-    out: str = nonempty()
-    overwrite: bool = anything()
-    verifier: str | None = anything()
-    verifier_out: str | None = anything()
-    steps: int | None = at_least(1)
-    target: settings.Target = anything()
-    drafter: dict = anything()  # its family's Settings (drafters/base.py: check_settings)
 
 
 def export(cfg: DictConfig) -> str:

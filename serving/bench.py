@@ -87,7 +87,8 @@ def alpha_floor(target, drafter, ids, steps: int) -> float:
 
 def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
     from serving.engine import generate_spec, generate_plain
-    from serving.run import chat_prompt, sampler
+    from serving.prompts import chat_prompt
+    from serving.settings import sampler
 
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
@@ -194,8 +195,8 @@ def plot(results: dict, path: str) -> None:
 def main(cfg: DictConfig) -> None:
     from serving import artifact
     from serving.engine import generate_plain
-    from serving.prompts import load_prompts
-    from serving.run import announce_precision, chat_prompt, check_length, check_options, spec_options
+    from serving.prompts import chat_prompt, check_length, load_prompts
+    from serving.settings import announce_precision, check_options, spec_options
 
     check(cfg, Bench)
     check_options(cfg)

@@ -70,3 +70,17 @@ def load_prompts(name: str, n: int | None = None) -> list[str]:
     if not prompts:
         raise UserError(f"prompt set {name}: {path} holds no prompts")
     return prompts
+
+
+def chat_prompt(tokenizer, text: str):
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def check_length(target, prompt_tokens: int, max_new_tokens: int, what: str) -> None:
+    """A prompt and its answer must fit in the target's positions (and so in its KV cache)."""
+    positions = target.spec.max_position_embeddings
+    if prompt_tokens + max_new_tokens > positions:
+        raise UserError(f"{what}: {prompt_tokens} tokens + max_new_tokens={max_new_tokens} exceed the "
+                        f"{positions} positions of target {target.spec.name}")

@@ -1,4 +1,4 @@
-"""The error contract (README "When something is wrong"), one bad input at a time, across every
+"""The error contract (docs/errors.md), one bad input at a time, across every
 entry point: exit code 2, exactly one `error:` line naming the culprit, no traceback, and every
 file that existed before (a trained run, its checkpoints, an artifact) byte-identical afterwards.
 

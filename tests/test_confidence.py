@@ -8,23 +8,17 @@ same confidences at positions <= i."""
 import pytest
 import torch
 
-from conftest import compose_train
-from drafters.base import build_drafter
+from conftest import FAMILIES, random_drafter
 from drafters.vocab import build_draft_vocab
 from serving.engine import Sampler
 from transformers import DynamicCache
-
-FAMILIES = ["eagle3", "eagle", "medusa", "mtp", "gemma_mtp", "dflash", "dspark"]
-
 
 def drafter_state(name, target):
     """A random-init drafter of family `name` with its context extended over a prompt, as the
     engine leaves it before proposing: (drafter, its cache, feature, logits)."""
     stream = torch.randint(0, target.spec.vocab_size, (5000,), generator=torch.Generator().manual_seed(1)).tolist()
     vocab = build_draft_vocab([(stream, [1] * len(stream))], target.spec.vocab_size, 64, {"seed": 1})
-    torch.manual_seed(0)
-    overrides = ["target=tiny_llama", f"drafter={name}"] + (["drafter.num_aux=1"] if name in ("dflash", "dspark") else [])
-    drafter = build_drafter(compose_train(overrides).drafter, target, vocab).eval()
+    drafter = random_drafter(name, target, vocab).eval()
     ids = torch.randint(0, target.spec.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
     target_cache = DynamicCache()
     aux, _ = target.capture(ids, None, drafter.capture_layers(), cache=target_cache)

@@ -6,14 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (CHI2_MIN_PVALUE, PROMPTS, VARIED_TARGET, chat_ids, chi2_pvalue, compose_train, self_distilled_batch,
-                      train_steps)
+from conftest import (CHI2_MIN_PVALUE, PROMPTS, TOY_PROMPT, TOY_VOCAB, VARIED_TARGET, assert_lossless_on_smollm2,
+                      chat_ids, chi2_pvalue, compose_train, encode, exact_joint, native_round_trip, plain_replies,
+                      self_distilled_batch, train_steps, vocab_over)
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
 from drafters.target import load_target
 from serving.engine import Sampler, generate_plain, generate_spec
-from test_eagle import assert_lossless_on_smollm2, native_round_trip, plain_replies, vocab_over
-from test_sampling import PROMPT, VOCAB, encode, exact_joint
 
 
 def make_drafter(target, vocab, name="dflash", *overrides, seed=0):
@@ -206,7 +205,7 @@ def test_dspark_sampling_with_confidence_scheduling_keeps_the_target_distributio
     """DSpark draws slot k from (block logits + the Markov bias of the draft before it), and the
     confidence schedule cuts the chain from confidences that depend only on earlier drafts: the
     first three generated tokens over many runs follow the target's exact joint distribution."""
-    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={VOCAB}", "target.draft_vocab_size=6",
+    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={TOY_VOCAB}", "target.draft_vocab_size=6",
                          "target.random_init.num_hidden_layers=4", "drafter=dspark", "drafter.num_aux=1", "drafter.markov_rank=4",
                          "drafter.block_size=4"])
     torch.manual_seed(0)
@@ -221,12 +220,12 @@ def test_dspark_sampling_with_confidence_scheduling_keeps_the_target_distributio
         drafter.confidence_head.proj.weight.normal_(0, 1.0)
     sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
     runs, length = 6000, 3
-    counts, proposed, accepted = torch.zeros(VOCAB**length), 0, 0
+    counts, proposed, accepted = torch.zeros(TOY_VOCAB**length), 0, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for _ in range(runs):
-            tokens, stats = generate_spec(small, drafter, PROMPT, length, set(), sampler=sampler, steps=3,
+            tokens, stats = generate_spec(small, drafter, TOY_PROMPT, length, set(), sampler=sampler, steps=3,
                                           min_confidence=0.3)
             counts[encode(tokens)] += 1
             proposed += sum(stats.proposed_by_pos)

@@ -7,11 +7,10 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPTS, VARIED_TARGET, chat_ids, compose_train
+from conftest import (PROMPTS, VARIED_TARGET, chat_ids, compose_train, native_round_trip, run_export, vocab_over,
+                      write_format)
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
-from test_eagle import native_round_trip, vocab_over, write_format
-from test_export import run_export
 
 from drafters.base import build_drafter
 from drafters.errors import UserError

@@ -15,13 +15,12 @@ from safetensors.torch import load_file
 
 from drafters.errors import UserError
 from drafters.target import load_target
-from conftest import ROOT, compose_train, one_line_error, run_cli
-from test_training import TINY, records
+from conftest import ROOT, TINY_RUN, compose_train, one_line_error, records, run_cli
 from training import hidden_cache
 from training.dump import dump
 from training.trainer import build_model, make_batch, make_teacher, prepare_data
 
-SETTINGS = [*TINY, "data.cache.shard_sequences=4", "logger=none"]
+SETTINGS = [*TINY_RUN, "data.cache.shard_sequences=4", "logger=none"]
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 

@@ -9,122 +9,21 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
 
-from conftest import PROMPTS, VARIED_TARGET, chat_ids, compose_train, train_steps
-from drafters.artifact import SavedDrafter, default_proposal, read, verifier_of, write_native
+from conftest import (VARIED_TARGET, assert_drafts_alike, assert_lossless_on_smollm2, assert_read_back, chat_ids,
+                      compose_train, conversation, edited_head, imported, native_round_trip, plain_replies,
+                      run_export, saved, train_steps, vocab_over, write_format)
+from drafters.artifact import read
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
 from drafters.layers import DraftCache
-from drafters.target import load_target
-from drafters.vocab import build_draft_vocab
 from export import formats
 from export.formats.eagle3 import llama_fields
 from export.formats.speculators import renamed
-from serving.engine import generate_plain, generate_spec
-from test_export import run_export
+from serving.engine import generate_spec
 
 def train_cfg(*overrides):
     return compose_train([*VARIED_TARGET, "drafter=eagle", *overrides])
-
-
-def vocab_over(target, tokens, size=512):
-    """A draft vocabulary holding `tokens` (padded with the lowest other ids)."""
-    return build_draft_vocab([(tokens, [1] * len(tokens))], target.spec.vocab_size, size, {"tokens": len(tokens)})
-
-
-def conversation(target, tokens=40):
-    """A prompt, the target's greedy answer, and the two as a training batch on the answer."""
-    ids = chat_ids(target, PROMPTS[0])
-    reply, _ = generate_plain(target, ids, tokens, set())
-    sequence = torch.cat([ids, torch.tensor([reply])], 1)
-    loss_mask = torch.zeros_like(sequence)
-    loss_mask[:, ids.shape[1]:] = 1
-    return ids, reply, {"input_ids": sequence, "attention_mask": torch.ones_like(sequence), "loss_mask": loss_mask}
-
-
-def saved(drafter, target_cfg) -> SavedDrafter:
-    """The drafter as an artifact would hold it, for the format writers."""
-    hparams, target_cfg = drafter.hparams(), OmegaConf.to_container(target_cfg, resolve=True)
-    return SavedDrafter(drafter.name, hparams, verifier_of(drafter.spec.to_dict(), target_cfg), target_cfg,
-                        {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()},
-                        default_proposal(hparams))
-
-
-def assert_drafts_alike(saved_drafter: SavedDrafter, drafter, target, ids):
-    """The saved drafter, rebuilt, drafts what `drafter` drafts (features and logits after `ids`)."""
-    rebuilt = saved_drafter.build("test").eval()
-    aux, _ = target.capture(ids, None, drafter.capture_layers())
-    tokens = ids.roll(-1, 1)
-    torch.testing.assert_close(rebuilt.extend(rebuilt.new_cache(), aux, tokens),
-                               drafter.extend(drafter.new_cache(), aux, tokens))
-
-
-def native_round_trip(drafter, target_cfg, target, ids, directory) -> SavedDrafter:
-    """Write the drafter as a native artifact and check that what reads back drafts the same."""
-    saved_drafter = saved(drafter, target_cfg)
-    directory.mkdir()
-    write_native(saved_drafter, str(directory))
-    assert_drafts_alike(read(str(directory)), drafter, target, ids)
-    return saved_drafter
-
-
-def imported(directory, target, cfg) -> SavedDrafter:
-    """Another engine's head dir read as export.run reads it (the format found from its config.json)."""
-    config = json.loads((directory / "config.json").read_text())
-    context = formats.ImportFor(target, OmegaConf.to_container(cfg.target, resolve=True),
-                                OmegaConf.to_container(cfg.drafter, resolve=True))
-    return formats.reader(config, str(directory)).read(str(directory), config, context)
-
-
-def edited_head(tmp_path, config, weights, edit):
-    """A new head dir beside the others in `tmp_path`: `config` and `weights` as `edit(config, weights)` leaves them."""
-    head = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
-    config, weights = OmegaConf.to_container(OmegaConf.create(config)), dict(weights)
-    edit(config, weights)
-    head.mkdir()
-    (head / "config.json").write_text(json.dumps(config))
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, head / "model.safetensors")
-    return head
-
-
-def assert_read_back(directory, saved_drafter, drafter, target, ids, cfg):
-    """What the head dir reads back as is the saved drafter: the same hyper-parameters, weights (bit
-    for bit) and drafts."""
-    back = imported(directory, target, cfg)
-    assert (back.drafter, back.hparams, back.proposal) == (saved_drafter.drafter, saved_drafter.hparams,
-                                                          saved_drafter.proposal)
-    assert back.weights.keys() == saved_drafter.weights.keys()
-    assert [name for name, tensor in saved_drafter.weights.items() if not torch.equal(back.weights[name], tensor)] == []
-    assert_drafts_alike(back, drafter, target, ids)
-
-
-def write_format(saved_drafter, fmt, directory):
-    """`saved_drafter` written by format `fmt` into a new `directory`: its config and weights."""
-    directory.mkdir()
-    formats.writer(fmt, saved_drafter.drafter).write_checked(saved_drafter, str(directory), "test")
-    return OmegaConf.load(directory / "config.json"), load_file(directory / "model.safetensors")
-
-
-def assert_lossless_on_smollm2(drafter_name, *options, **tree):
-    """An untrained head on the real SmolLM2-135M (float32: no bf16 near-ties), greedy: a 5-draft chain
-    and a tree of shape `tree`, or each generate_spec option set in `options`."""
-    cfg = compose_train(["target=llama", "target.dtype=float32", f"drafter={drafter_name}"])
-    smollm2 = load_target(cfg.target)
-    stream = torch.randint(0, smollm2.spec.vocab_size, (20000,), generator=torch.Generator().manual_seed(0)).tolist()
-    torch.manual_seed(0)
-    drafter = build_drafter(cfg.drafter, smollm2, vocab_over(smollm2, stream, 4096)).eval()
-    eos = {smollm2.tokenizer.eos_token_id}
-    ids = chat_ids(smollm2, PROMPTS[0])
-    plain, _ = generate_plain(smollm2, ids, 16, eos)
-    for option in options or (dict(steps=5), dict(draft="tree", **tree)):
-        assert generate_spec(smollm2, drafter, ids, 16, eos, **option)[0] == plain, option
-
-
-def plain_replies(target):
-    """The target's greedy answers to the other prompts: what lossless serving must reproduce."""
-    return {text: generate_plain(target, chat_ids(target, text), 24, set())[0] for text in PROMPTS[1:]}
 
 
 @pytest.fixture(scope="module")

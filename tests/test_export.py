@@ -10,15 +10,13 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 
-from conftest import CONF_DIR, compose_train
+from conftest import compose_train, run_export
 from drafters.artifact import default_steps
 from drafters.errors import UserError
 from drafters.target import load_target
 from export.layer_ids import translate_layer_ids
-from export.run import export
 from serving import artifact
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,13 +32,6 @@ def checkpoint(tmp_path_factory):
          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return str(run_dir / "checkpoints" / "latest")
-
-
-def run_export(**options) -> str:
-    """What `python -m export.run key=value ...` does, in process."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="export", overrides=[f"{key}={value}" for key, value in options.items()])
-    return export(cfg)
 
 
 def cli(*args):

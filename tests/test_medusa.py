@@ -9,7 +9,10 @@ import json
 import pytest
 import torch
 
-from conftest import CHI2_MIN_PVALUE, VARIED_TARGET, chat_ids, chi2_pvalue, compose_train, train_steps
+from conftest import (CHI2_MIN_PVALUE, TOY_PROMPT, TOY_VOCAB, VARIED_TARGET, assert_drafts_alike,
+                      assert_lossless_on_smollm2, assert_read_back, chat_ids, chi2_pvalue, compose_train, conversation,
+                      edited_head, imported, encode, exact_joint, native_round_trip, plain_replies, run_export, saved,
+                      train_steps, vocab_over, write_format)
 from drafters.artifact import read
 from drafters.base import build_drafter, capture
 from drafters.errors import UserError
@@ -17,9 +20,6 @@ from drafters.proposal import best_nodes
 from drafters.target import load_target
 from export import formats
 from serving.engine import Sampler, generate_spec
-from test_eagle import (assert_drafts_alike, assert_lossless_on_smollm2, assert_read_back, conversation, edited_head,
-                        imported, native_round_trip, plain_replies, saved, vocab_over, write_format)
-from test_export import run_export
 
 HEADS = 4
 
@@ -173,15 +173,12 @@ def test_untrained_heads_serve_losslessly(target, options):
         assert generate_spec(target, drafter, chat_ids(target, text), 24, set(), **options)[0] == plain
 
 
-VOCAB, PROMPT = 8, torch.tensor([[1, 5, 3, 7]])
-
-
 @pytest.mark.statistical
 def test_sampled_tree_keeps_the_target_distribution():
     """Two generated tokens over many runs against the target's exact joint distribution: token 2
     is one of head 1's i.i.d. drafts (two siblings) or the residual of rejection sampling. (A chain
     draws each head once from the distribution it reports: test_tree_and_chain_proposals.)"""
-    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={VOCAB}", "drafter=medusa",
+    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={TOY_VOCAB}", "drafter=medusa",
                          "target.random_init.num_hidden_layers=2", "drafter.num_heads=2"])
     small = load_target(cfg.target)
     vocab = vocab_over(small, [2, 3, 4, 5, 6, 7] * 10, 6)  # tokens 0 and 1 can never be drafted
@@ -191,18 +188,15 @@ def test_sampled_tree_keeps_the_target_distribution():
         for head in drafter.lm_heads:
             head.weight.normal_(0, 0.5)  # drafts that often disagree with the target
     sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
-    runs, counts, accepted = 4000, torch.zeros(VOCAB * VOCAB), 0
+    runs, counts, accepted = 4000, torch.zeros(TOY_VOCAB * TOY_VOCAB), 0
     for _ in range(runs):
-        tokens, stats = generate_spec(small, drafter, PROMPT, 2, set(), sampler=sampler, draft="tree", depth=2,
+        tokens, stats = generate_spec(small, drafter, TOY_PROMPT, 2, set(), sampler=sampler, draft="tree", depth=2,
                                       topk=2, total=5)
-        counts[tokens[0] * VOCAB + tokens[1]] += 1
+        counts[encode(tokens)] += 1
         accepted += sum(stats.accepted_by_pos)
     assert 0.1 * runs < accepted < 0.9 * runs  # both accepted and rejected drafts
     with torch.no_grad():
-        prefixes = torch.cat([PROMPT.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
-        first = sampler.probs(small.logits(small.capture(PROMPT, None, [])[1][:, -1]))[0]
-        second = sampler.probs(small.logits(small.capture(prefixes, None, [])[1][:, -1]))
-    expected = runs * (first[:, None] * second).flatten()
+        expected = runs * exact_joint(small, sampler, 2)
     small_cells = expected < 5  # pooled: the chi-square approximation needs counts
     pooled = lambda cells: torch.cat([cells[~small_cells], cells[small_cells].sum(0, keepdim=True)])  # noqa: E731
     assert chi2_pvalue(pooled(counts), pooled(expected)) >= CHI2_MIN_PVALUE

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import PROMPTS, chat_ids, head_for
+from conftest import FAMILIES, PROMPTS, chat_ids, head_for, random_drafter, vocab_over
 from serving.engine import NgramOptions, generate_plain, generate_spec
 from serving.ngram import NgramDrafts, merge
 from serving.schedule import AutoSchedule
@@ -77,6 +77,18 @@ def test_hybrid_equals_plain_greedy(tiny_target, plain_outputs, head):
                                     steps=3, depth=3, topk=2, total=6, ngram=NgramOptions(branches=2, head=head))
         assert spec == plain_outputs[text]
         assert stats.accept_len > 1.0  # the untrained head alone accepts ~nothing; the n-gram branches do
+
+
+@pytest.mark.parametrize("name,head", [(name, head) for name in FAMILIES for head in ("chain", "tree")
+                                       if (name, head) != ("dspark", "tree")])  # DSpark drafts chains only
+def test_hybrid_with_every_drafter_equals_plain_greedy(tiny_target, plain_outputs, name, head):
+    stream = [token for text in PROMPTS for token in plain_outputs[text]]  # a vocabulary its drafts can hit
+    drafter = random_drafter(name, tiny_target, vocab_over(tiny_target, stream, 256)).eval()
+    eos = {tiny_target.tokenizer.eos_token_id}
+    for text in PROMPTS:
+        spec, _ = generate_spec(tiny_target, drafter, chat_ids(tiny_target, text), 48, eos, draft="hybrid",
+                                steps=3, depth=3, topk=2, total=6, ngram=NgramOptions(branches=2, head=head))
+        assert spec == plain_outputs[text]
 
 
 def test_earlier_answers_are_copied_across_calls_losslessly(tiny_target, plain_outputs):

@@ -9,25 +9,23 @@ from prefill, tokens 2 and 3 through draft + rejection-sampling verification.
 import pytest
 import torch
 
-from conftest import CHI2_MIN_PVALUE, chi2_pvalue, compose_train
+from conftest import CHI2_MIN_PVALUE, TOY_PROMPT, TOY_VOCAB, chi2_pvalue, compose_train, encode, exact_joint
 from drafters.base import build_drafter
 from drafters.target import load_target
 from drafters.vocab import build_draft_vocab
 from serving.engine import Sampler, generate_plain, generate_spec
 from serving.schedule import AutoSchedule
 
-VOCAB, PROMPT = 8, torch.tensor([[1, 5, 3, 7]])
-
 
 @pytest.fixture(scope="module")
 def small_vocab():
-    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={VOCAB}", "target.draft_vocab_size=6",
+    cfg = compose_train(["target=tiny_llama", f"target.random_init.vocab_size={TOY_VOCAB}", "target.draft_vocab_size=6",
                          "target.random_init.num_hidden_layers=2", "drafter.aux_layers=[0,1,2]"])
     torch.manual_seed(0)
     target = load_target(cfg.target)
     # a draft vocabulary without tokens 0 and 1: the head can never propose them
     stream = [2, 3, 4, 5, 6, 7] * 10
-    vocab = build_draft_vocab([(stream, [1] * len(stream))], VOCAB, 6, {"test": "sampling"})
+    vocab = build_draft_vocab([(stream, [1] * len(stream))], TOY_VOCAB, 6, {"test": "sampling"})
     torch.manual_seed(1)
     drafter = build_drafter(cfg.drafter, target, vocab).eval()
     with torch.no_grad():
@@ -43,25 +41,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def exact_joint(target, sampler, length: int) -> torch.Tensor:
-    """p(t1, ..., t_length | PROMPT) over VOCAB**length sequences, from full forwards of every prefix."""
-    joint = torch.ones(1)
-    for step in range(length):
-        prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * step).view(-1, step) if step else torch.empty(1, 0)
-        ids = torch.cat([PROMPT.expand(len(prefixes), -1), prefixes.long()], 1)
-        _, final = target.capture(ids, None, [])
-        probs = sampler.probs(target.logits(final[:, -1]))  # [VOCAB**step, VOCAB]
-        joint = (joint[:, None] * probs).flatten()
-    return joint
-
-
-def encode(tokens: list[int]) -> int:
-    code = 0
-    for token in tokens:
-        code = code * VOCAB + token
-    return code
 
 
 @pytest.mark.statistical
@@ -81,17 +60,17 @@ def test_spec_sampling_matches_target_distribution(small_vocab, one_thread, temp
     target, drafter = small_vocab
     length = 3
     sampler = Sampler(temperature, top_p, torch.Generator().manual_seed(0))
-    counts = torch.zeros(VOCAB**length)
+    counts = torch.zeros(TOY_VOCAB**length)
     proposed = accepted = 0
     for _ in range(draws):
-        tokens, stats = generate_spec(target, drafter, PROMPT, length, set(), sampler=sampler, **options)
+        tokens, stats = generate_spec(target, drafter, TOY_PROMPT, length, set(), sampler=sampler, **options)
         counts[encode(tokens)] += 1
         proposed += sum(stats.proposed_by_pos)
         accepted += sum(stats.accepted_by_pos)
     assert 0.1 < accepted / proposed < 0.9  # both the accept and the residual branch were taken
     joint = exact_joint(target, sampler, length)
-    first = counts.view(VOCAB, -1).sum(-1)
-    assert chi2_pvalue(first, draws * joint.view(VOCAB, -1).sum(-1)) >= CHI2_MIN_PVALUE
+    first = counts.view(TOY_VOCAB, -1).sum(-1)
+    assert chi2_pvalue(first, draws * joint.view(TOY_VOCAB, -1).sum(-1)) >= CHI2_MIN_PVALUE
     # cells below 5 expected draws are pooled (the chi-square approximation needs counts)
     small = draws * joint < 5
     observed = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
@@ -101,10 +80,10 @@ def test_spec_sampling_matches_target_distribution(small_vocab, one_thread, temp
 
 def test_plain_sampling_is_seeded_and_nongreedy(small_vocab):
     target, _ = small_vocab
-    runs = [generate_plain(target, PROMPT, 16, set(), Sampler(1.0, 1.0, torch.Generator().manual_seed(seed)))[0]
+    runs = [generate_plain(target, TOY_PROMPT, 16, set(), Sampler(1.0, 1.0, torch.Generator().manual_seed(seed)))[0]
             for seed in (0, 0, 1)]
     assert runs[0] == runs[1] != runs[2]
-    assert runs[0] != generate_plain(target, PROMPT, 16, set())[0]
+    assert runs[0] != generate_plain(target, TOY_PROMPT, 16, set())[0]
 
 
 def test_top_p_keeps_the_smallest_nucleus():
@@ -117,8 +96,8 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_sampled_tree_keeps_every_draw_in_creation_order(small_vocab):
     target, drafter = small_vocab
     cache = drafter.new_cache()
-    aux, _ = target.capture(PROMPT, None, drafter.capture_layers())
-    feature, logits = drafter.extend(cache, aux, torch.cat([PROMPT[:, 1:], PROMPT[:, :1]], 1))
+    aux, _ = target.capture(TOY_PROMPT, None, drafter.capture_layers())
+    feature, logits = drafter.extend(cache, aux, torch.cat([TOY_PROMPT[:, 1:], TOY_PROMPT[:, :1]], 1))
     sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
     tokens, parents, dists = drafter.propose_tree(cache, feature, logits, 3, 2, 7, sampler.draw)
     # root: 2 children; level 2: both expanded, 2 draws each; level 3: the best 2 of those expanded,

@@ -6,7 +6,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from drafters.errors import UserError
-from drafters.vocab import DraftVocab, build_draft_vocab, coverage, load_or_build, tokenizer_fingerprint
+from drafters.vocab import DraftVocab, build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training.data import render
 
 
@@ -121,11 +121,6 @@ def test_load_or_build_reuses_and_rebuilds(tmp_path):
     _, status = load_or_build(path, new_key, builder(new_key, 4))
     assert status.startswith("rebuilt:") and "unreadable" in status and len(builds) == 3
 
-
-def test_coverage():
-    vocab = build_draft_vocab(STREAM, target_vocab_size=10, draft_vocab_size=3, key=KEY)  # {1, 2, 7}
-    assert coverage(vocab, torch.tensor([[1, 2], [7, 9]])) == pytest.approx(0.75)
-    assert coverage(vocab, torch.tensor([0, 3])) == 0.0
 
 
 def test_tokenizer_fingerprint(tokenizer, monkeypatch):

@@ -1,7 +1,7 @@
 """target_mtp: a fine-tuned native MTP module (drafter=mtp, native_mtp=true) written back under its
 target checkpoint's own keys (DeepSeek-V3 `model.layers.{N}.*`, Qwen3-Next / Qwen3.5 `mtp.*`, MoE
 experts one tensor each as checkpoints keep them), so an engine's native MTP path serves it once the
-tensors replace the target's (README: "MTP"); and read back, to serve or fine-tune it again here.
+tensors replace the target's (docs/drafters.md: "MTP"); and read back, to serve or fine-tune it again here.
 
 The directory holds `model.safetensors` (those tensors, nothing else) and a small `config.json`
 naming the layout and the target.

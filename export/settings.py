@@ -1,0 +1,23 @@
+"""conf/export.yaml's schema (drafters/settings.py says how)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drafters import settings
+from drafters.settings import anything, at_least, nonempty
+
+
+@dataclass
+class Export:
+    """conf/export.yaml's schema (drafters/settings.py): checked before anything is read."""
+
+    checkpoint: str = nonempty()
+    format: str = anything()  # export/formats names the formats
+    out: str = nonempty()
+    overwrite: bool = anything()
+    verifier: str | None = anything()
+    verifier_out: str | None = anything()
+    steps: int | None = at_least(1)
+    target: settings.Target = anything()
+    drafter: dict = anything()  # its family's Settings (drafters/base.py: check_settings)
