@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from drafters.base import Captured  # noqa: E402
 from drafters.eagle3 import Eagle3  # noqa: E402
-from drafters.target import TargetSpec  # noqa: E402
-from drafters.vocab import build_draft_vocab  # noqa: E402
+from drafters.target.model import TargetSpec  # noqa: E402
+from drafters.target.vocab import build_draft_vocab  # noqa: E402
 
 SPEC = TargetSpec(name="smollm2-135m", model_type="llama", hidden_size=576, num_layers=30, vocab_size=49152,
                   num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,

@@ -1,1 +1,2 @@
-"""Target wrapper, draft vocabulary, and the drafters (one file each, found through a registry)."""
+"""The drafters (one file each, found through a registry) and the blocks they share; below them,
+the target they serve (`target/`), how they are stored (`storage/`) and what users configure (`config/`)."""

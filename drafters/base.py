@@ -10,12 +10,29 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from drafters import settings
-from drafters.errors import UserError
-from drafters.target import Target, TargetSpec
-from drafters.vocab import DraftVocab
+from drafters.config import settings
+from drafters.config.errors import UserError
+from drafters.target.model import Target, TargetSpec
+from drafters.target.vocab import DraftVocab
 
-REGISTRY: dict[str, type["Drafter"]] = {}
+class Registry(dict):
+    """What the modules of one package register as they are imported (drafters here, artifact formats
+    in export/formats/). Every module of the package is imported at the first lookup, so a new module
+    is all it takes to add an entry."""
+
+    def __init__(self, package: str):
+        super().__init__()
+        self.package, self.complete = package, False
+
+    def everything(self) -> "Registry":
+        if not self.complete:
+            for module in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
+                importlib.import_module(f"{self.package}.{module.name}")
+            self.complete = True
+        return self
+
+
+DRAFTERS = Registry("drafters")
 
 
 def register(name: str):
@@ -23,19 +40,16 @@ def register(name: str):
 
     def add(cls):
         cls.name = name
-        REGISTRY[name] = cls
+        DRAFTERS[name] = cls
         return cls
 
     return add
 
 
 def drafter_class(name: str) -> type["Drafter"]:
-    # Importing every module of the package runs their @register decorators.
-    for module in pkgutil.iter_modules(importlib.import_module("drafters").__path__):
-        importlib.import_module(f"drafters.{module.name}")
-    if name not in REGISTRY:
-        raise UserError(f"unknown drafter '{name}' (available: {', '.join(sorted(REGISTRY))})")
-    return REGISTRY[name]
+    if name not in DRAFTERS.everything():
+        raise UserError(f"unknown drafter '{name}' (available: {', '.join(sorted(DRAFTERS))})")
+    return DRAFTERS[name]
 
 
 @dataclass
@@ -101,6 +115,12 @@ class Drafter(nn.Module):
 
     def hparams(self) -> dict:
         """What rebuilds this drafter: stored in checkpoints and artifacts."""
+        raise NotImplementedError
+
+    @classmethod
+    def default_steps(cls, hparams: dict) -> int:
+        """Drafts per target forward when serving is not told (`steps=`): what a drafter with these
+        hyper-parameters was trained to draft."""
         raise NotImplementedError
 
 

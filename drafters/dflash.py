@@ -27,13 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from drafters import settings
 from drafters.base import Captured, register
-from drafters.errors import UserError
+from drafters.config import settings
+from drafters.config.errors import UserError
+from drafters.config.settings import above, anything, at_least
 from drafters.layers import DraftLayer, KVBuffer, add_fused_head, copy_target_head, draft_layer_config
 from drafters.losses import trained_positions
 from drafters.proposal import ParallelDrafter
-from drafters.settings import above, anything, at_least
 
 
 class DFlashLayer(DraftLayer):
@@ -123,6 +123,10 @@ class DFlash(ParallelDrafter):
             "draft_vocab_size": self.vocab.draft_size,
             "layer_config": self.layer_config.to_dict(),
         }
+
+    @classmethod
+    def default_steps(cls, hparams):
+        return max(1, int(hparams["block_size"]) - 1)  # the block's first slot holds the bonus token
 
     def init_from_target(self, target):
         copy_target_head(self, target)

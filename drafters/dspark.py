@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Captured, greedy_draw, register
+from drafters.config.errors import UserError
+from drafters.config.settings import at_least
 from drafters.dflash import ContextCache, DFlash
-from drafters.errors import UserError
-from drafters.settings import at_least
 
 
 class MarkovHead(nn.Module):

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from drafters import settings
 from drafters.base import Captured, register
+from drafters.config import settings
+from drafters.config.settings import anything, at_least
 from drafters.layers import DraftCache, DraftLayer, TargetNorm, draft_layer_config
 from drafters.losses import distill, trained_positions
 from drafters.proposal import StepDrafter
-from drafters.settings import anything, at_least
 
 
 @register("eagle")
@@ -65,6 +65,10 @@ class Eagle(StepDrafter):
             "feature_weight": float(self.cfg.feature_weight),
             "token_weight": float(self.cfg.token_weight),
         }
+
+    @classmethod
+    def default_steps(cls, hparams):
+        return 5  # no trained length: the EAGLE repo's draft depth
 
     @torch.no_grad()
     def init_from_target(self, target):

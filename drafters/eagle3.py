@@ -14,13 +14,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from dataclasses import dataclass
 
-from drafters import settings
 from drafters.base import Captured, register
+from drafters.config import settings
+from drafters.config.settings import above, anything, at_least
 from drafters.layers import (DraftCache, DraftLayer, UnrolledAttention, add_fused_head, copy_target_head,
                              draft_layer_config)
 from drafters.losses import unrolled_distill
 from drafters.proposal import StepDrafter
-from drafters.settings import above, anything, at_least
 
 
 class Eagle3Layer(DraftLayer):
@@ -64,6 +64,10 @@ class Eagle3(StepDrafter):
             "draft_vocab_size": self.vocab.draft_size,
             "layer_config": self.layer_config.to_dict(),
         }
+
+    @classmethod
+    def default_steps(cls, hparams):
+        return int(hparams["ttt_steps"])  # the unroll it was trained for
 
     def init_from_target(self, target):
         copy_target_head(self, target)

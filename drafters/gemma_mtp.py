@@ -23,14 +23,14 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
 
-from drafters import settings
 from drafters.base import Captured, register
-from drafters.errors import UserError
+from drafters.config import settings
+from drafters.config.errors import UserError
+from drafters.config.settings import above, at_least
 from drafters.layers import TargetNorm
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
-from drafters.target import TargetClasses, full_attention_rope, full_attention_rope_parameters
-from drafters.settings import above, at_least
+from drafters.target.model import TargetClasses, full_attention_rope, full_attention_rope_parameters
 
 
 class AssistantAttention(nn.Module):
@@ -180,6 +180,10 @@ class GemmaMTP(StepDrafter):
             "num_layers": self.layer_config.num_hidden_layers,
             "num_heads": self.layer_config.num_attention_heads,
         }
+
+    @classmethod
+    def default_steps(cls, hparams):
+        return int(hparams["ttt_steps"])  # the unroll it was trained for
 
     @torch.no_grad()
     def init_from_target(self, target):

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from transformers.cache_utils import DynamicLayer
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, repeat_kv, rotate_half
 
-from drafters.target import Target, TargetSpec, full_attention_rope_parameters
+from drafters.target.model import Target, TargetSpec, full_attention_rope_parameters
 
 
 def draft_layer_config(spec: TargetSpec, num_layers: int = 1) -> LlamaConfig:

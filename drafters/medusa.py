@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters import settings
 from drafters.base import Captured, register
+from drafters.config import settings
+from drafters.config.settings import above, at_least
 from drafters.layers import DraftCache, TargetNorm
 from drafters.losses import distill, trained_positions
 from drafters.proposal import ParallelDrafter
-from drafters.settings import above, at_least
 
 
 class ResidualBlocks(nn.Module):
@@ -75,6 +75,10 @@ class Medusa(ParallelDrafter):
             "loss_decay": float(self.cfg.loss_decay),
             "draft_vocab_size": self.vocab.draft_size,
         }
+
+    @classmethod
+    def default_steps(cls, hparams):
+        return int(hparams["num_heads"])
 
     @torch.no_grad()
     def init_from_target(self, target):

@@ -31,14 +31,14 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from drafters import settings
 from drafters.base import Captured, register
-from drafters.errors import UserError
+from drafters.config import settings
+from drafters.config.errors import UserError
+from drafters.config.settings import above, anything, at_least
 from drafters.layers import DraftCache, TargetNorm, UnrolledAttention
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
-from drafters.target import TargetClasses, full_attention_rope
-from drafters.settings import above, anything, at_least
+from drafters.target.model import TargetClasses, full_attention_rope
 
 ATTENTION = "specdraft_mtp"
 
@@ -186,6 +186,10 @@ class MTP(StepDrafter):
             "draft_vocab_size": self.vocab.draft_size,
             "native_layout": self.native_layout,
         }
+
+    @classmethod
+    def default_steps(cls, hparams):
+        return int(hparams["ttt_steps"])  # the unroll it was trained for
 
     @torch.no_grad()
     def init_from_target(self, target):

@@ -13,12 +13,12 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import settings
-from drafters.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
 from drafters.base import check_settings
-from drafters.errors import UserError, command
-from drafters.target import load_target
-from drafters.writes import STATE_FILE, atomic_directory, check_directory_destination
+from drafters.config import settings
+from drafters.config.errors import UserError, command
+from drafters.storage.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
+from drafters.storage.writes import STATE_FILE, atomic_directory, check_directory_destination
+from drafters.target.model import load_target
 from export import formats
 from export.settings import Export
 

@@ -1,16 +1,16 @@
-"""conf/export.yaml's schema (drafters/settings.py says how)."""
+"""conf/export.yaml's schema (drafters/config/settings.py says how)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafters import settings
-from drafters.settings import anything, at_least, nonempty
+from drafters.config import settings
+from drafters.config.settings import anything, at_least, nonempty
 
 
 @dataclass
 class Export:
-    """conf/export.yaml's schema (drafters/settings.py): checked before anything is read."""
+    """conf/export.yaml's schema (drafters/config/settings.py): checked before anything is read."""
 
     checkpoint: str = nonempty()
     format: str = anything()  # export/formats names the formats

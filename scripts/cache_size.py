@@ -18,7 +18,7 @@ import argparse
 
 from omegaconf import OmegaConf
 
-from drafters.target import load_tokenizer
+from drafters.target.model import load_tokenizer
 from training.data import load_conversations, render
 
 

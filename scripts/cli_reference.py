@@ -15,7 +15,7 @@ import typing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from drafters.base import drafter_class  # noqa: E402
-from drafters.settings import _describe  # noqa: E402
+from drafters.config.settings import _describe  # noqa: E402
 from export.settings import Export  # noqa: E402
 from serving.settings import Bench, Serve  # noqa: E402
 from training.settings import Train  # noqa: E402

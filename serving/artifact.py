@@ -1,7 +1,7 @@
 """Load a drafter for serving: the one place that turns a drafter on disk into (target, drafter).
 
 An artifact is a training checkpoint (`<run>/checkpoints/step-N` or `latest`) or a native artifact
-(`python -m export.run ... format=native`); drafters/artifact.py reads both. Heads in other
+(`python -m export.run ... format=native`); drafters/storage/artifact.py reads both. Heads in other
 engines' formats are imported to native first (`export.run checkpoint=<their dir> format=native`).
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from drafters import precision
-from drafters.artifact import read
-from drafters.target import Target, load_target
+from drafters.storage.artifact import read
+from drafters.target import precision
+from drafters.target.model import Target, load_target
 
 
 def load(path: str, target: Target | None = None, dtype: str = "auto"):

@@ -14,9 +14,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from drafters.errors import UserError, command
-from drafters.settings import check
-from drafters.writes import atomic_file, check_destination, check_writable
+from drafters.config.errors import UserError, command
+from drafters.config.settings import check
+from drafters.storage.writes import atomic_file, check_destination, check_writable
 from serving.settings import Bench
 
 

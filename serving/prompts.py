@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 
 # name -> (package, file inside it, field with the prompt text)
 BUILTIN = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from drafters.errors import UserError, command
-from drafters.settings import check
+from drafters.config.errors import UserError, command
+from drafters.config.settings import check
 from serving.prompts import chat_prompt, check_length
 from serving.settings import Serve, announce_precision, check_options, sampler, spec_options
 

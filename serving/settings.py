@@ -1,5 +1,5 @@
 """conf/serve.yaml's and conf/bench.yaml's schemas, checked before the artifact loads
-(drafters/settings.py says how), and what the settings become for the engine."""
+(drafters/config/settings.py says how), and what the settings become for the engine."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import precision
-from drafters.errors import UserError
-from drafters.precision import Precision
-from drafters.settings import PRECISIONS, anything, at_least, between, nonempty, one_of
+from drafters.config.errors import UserError
+from drafters.config.settings import PRECISIONS, anything, at_least, between, nonempty, one_of
+from drafters.target import precision
+from drafters.target.precision import Precision
 
 
 @dataclass

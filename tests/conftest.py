@@ -20,10 +20,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from drafters.artifact import SavedDrafter, default_proposal, read, verifier_of, write_native  # noqa: E402
 from drafters.base import build_drafter, capture  # noqa: E402
-from drafters.target import load_target  # noqa: E402
-from drafters.vocab import build_draft_vocab  # noqa: E402
+from drafters.storage.artifact import SavedDrafter, default_proposal, read, verifier_of, write_native  # noqa: E402
+from drafters.target.model import load_target  # noqa: E402
+from drafters.target.vocab import build_draft_vocab  # noqa: E402
 from export import formats  # noqa: E402
 from export.run import export  # noqa: E402
 from serving.engine import generate_plain, generate_spec  # noqa: E402
@@ -233,7 +233,7 @@ def saved(drafter, target_cfg) -> SavedDrafter:
     hparams, target_cfg = drafter.hparams(), OmegaConf.to_container(target_cfg, resolve=True)
     return SavedDrafter(drafter.name, hparams, verifier_of(drafter.spec.to_dict(), target_cfg), target_cfg,
                         {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()},
-                        default_proposal(hparams))
+                        default_proposal(drafter.name, hparams))
 
 
 def assert_drafts_alike(saved_drafter: SavedDrafter, drafter, target, ids):

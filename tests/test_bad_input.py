@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from conftest import ROOT, kill_while_writing, run_cli
-from drafters.artifact import read
+from drafters.storage.artifact import read
 
 TINY = ["target=tiny_llama", "logger=none", "data.max_samples=40", "data.max_length=128", "trainer.batch_size=2",
         "trainer.eval_max_samples=4", "trainer.max_minutes=null"]

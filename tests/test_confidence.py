@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, random_drafter
-from drafters.vocab import build_draft_vocab
+from drafters.target.vocab import build_draft_vocab
 from serving.engine import Sampler
 from transformers import DynamicCache
 

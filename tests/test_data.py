@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from serving.prompts import load_prompts
 from training import data
 from training.data import build_datasets, collate, load_conversations, regenerate, render

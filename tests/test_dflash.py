@@ -10,8 +10,8 @@ from conftest import (CHI2_MIN_PVALUE, PROMPTS, TOY_PROMPT, TOY_VOCAB, VARIED_TA
                       chat_ids, chi2_pvalue, compose_train, encode, exact_joint, native_round_trip, plain_replies,
                       self_distilled_batch, train_steps, vocab_over)
 from drafters.base import build_drafter, capture
-from drafters.errors import UserError
-from drafters.target import load_target
+from drafters.config.errors import UserError
+from drafters.target.model import load_target
 from serving.engine import Sampler, generate_plain, generate_spec
 
 

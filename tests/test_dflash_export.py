@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from drafters.base import build_drafter
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from export import formats
 
 RANK = 16  # a small Markov head keeps the files small

@@ -13,9 +13,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from drafters.errors import UserError
-from drafters.target import load_target
 from conftest import ROOT, TINY_RUN, compose_train, one_line_error, records, run_cli
+from drafters.config.errors import UserError
+from drafters.target.model import load_target
 from training import hidden_cache
 from training.dump import dump
 from training.trainer import build_model, make_batch, make_teacher, prepare_data
@@ -139,7 +139,7 @@ def test_killed_dump_resumes_without_rewriting_finished_shards(caches, tmp_path)
     assert not hidden_cache.read_index(str(directory))["complete"]
     finished = shard_state(directory)
     assert 2 <= len(finished) < 11
-    # as a kill mid-write leaves (drafters/writes.py names temp files by their writer's pid)
+    # as a kill mid-write leaves (drafters/storage/writes.py names temp files by their writer's pid)
     (directory / f".train-00006.safetensors.partial-{process.pid}-0123abcd").write_bytes(b"half a shard")
 
     result = dump(compose_train(overrides))

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from conftest import (VARIED_TARGET, assert_drafts_alike, assert_lossless_on_smollm2, assert_read_back, chat_ids,
                       compose_train, conversation, edited_head, imported, native_round_trip, plain_replies,
                       run_export, saved, train_steps, vocab_over, write_format)
-from drafters.artifact import read
 from drafters.base import build_drafter, capture
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from drafters.layers import DraftCache
+from drafters.storage.artifact import read
 from export import formats
 from export.formats.eagle3 import llama_fields
 from export.formats.speculators import renamed

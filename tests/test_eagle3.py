@@ -4,11 +4,11 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from conftest import compose_train
 from drafters.base import build_drafter, capture, sim_accept_len
+from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
-from drafters.errors import UserError
 from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_merged, ttt_attention_reference
-from drafters.target import full_attention_rope
-from drafters.vocab import build_draft_vocab
+from drafters.target.model import full_attention_rope
+from drafters.target.vocab import build_draft_vocab
 
 
 def random_vocab(target_vocab, size, seed=0):

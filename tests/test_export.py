@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import compose_train, run_export
-from drafters.artifact import default_steps
-from drafters.errors import UserError
-from drafters.target import load_target
+from drafters.config.errors import UserError
+from drafters.storage.artifact import default_proposal
+from drafters.target.model import load_target
 from export.layer_ids import translate_layer_ids
 from serving import artifact
 
@@ -221,10 +221,11 @@ def test_bad_weights_are_named(checkpoint, tmp_path):
 
 def test_checkpoint_of_another_drafter(checkpoint, tmp_path):
     other = edited_copy(checkpoint, tmp_path / "nope", state=lambda s: s.update(drafter="nope"))
-    with pytest.raises(UserError, match="format 'sglang' has no writer for drafter 'nope' \\(it has: .*eagle3"):
-        run_export(checkpoint=other, format="sglang", out=tmp_path / "out")
-    with pytest.raises(UserError, match="unknown drafter 'nope'"):
-        run_export(checkpoint=other, format="native", out=tmp_path / "out")
+    for fmt in ("sglang", "native"):
+        with pytest.raises(UserError, match="unknown drafter 'nope' \\(available: .*eagle3"):
+            run_export(checkpoint=other, format=fmt, out=tmp_path / "out")
+    with pytest.raises(UserError, match="format 'vllm' has no writer for drafter 'eagle3' \\(it has: eagle, medusa\\)"):
+        run_export(checkpoint=checkpoint, format="vllm", out=tmp_path / "out")
 
 
 def test_cli_error_is_one_line(checkpoint, tmp_path):
@@ -307,11 +308,13 @@ def test_training_init_from_an_artifact(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("drafter,hparams,steps", [
-    ("eagle3, mtp", {"ttt_steps": 7, "aux_layers": [2, 4, 5]}, 7),  # the unroll it was trained for
+    ("eagle3", {"ttt_steps": 7, "aux_layers": [2, 4, 5]}, 7),  # the unroll it was trained for
+    ("mtp", {"ttt_steps": 3}, 3),
     ("gemma_mtp", {"ttt_steps": 3, "num_heads": 8}, 3),  # num_heads: attention heads, not drafts
-    ("dflash, dspark", {"block_size": 16, "num_layers": 5}, 15),  # a block's slots after the bonus token's
+    ("dflash", {"block_size": 16, "num_layers": 5}, 15),  # a block's slots after the bonus token's
+    ("dspark", {"block_size": 8, "markov_rank": 256}, 7),
     ("medusa", {"num_heads": 4, "num_layers": 1}, 4),  # one draft per head
     ("eagle", {"fc_bias": False, "feature_noise": 0.2}, 5),  # no trained length: EAGLE's draft depth
 ])
 def test_default_steps_per_drafter(drafter, hparams, steps):
-    assert default_steps(hparams) == steps, drafter
+    assert default_proposal(drafter, hparams) == {"draft": "chain", "steps": steps}

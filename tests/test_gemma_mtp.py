@@ -10,10 +10,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from conftest import (batch_vocab, compose_train, distilled_setup, lossless_accept_len, self_distilled_batch,
                       train_steps, trained_on)
-from drafters.artifact import SavedDrafter, read, verifier_of, write_native
 from drafters.base import build_drafter, capture
-from drafters.errors import UserError
-from drafters.target import Target
+from drafters.config.errors import UserError
+from drafters.storage.artifact import SavedDrafter, read, verifier_of, write_native
+from drafters.target.model import Target
 from serving.engine import generate_spec
 
 SOME_TOKENS = {"input_ids": torch.arange(8)}
@@ -194,7 +194,7 @@ def test_smollm2_assistant_is_lossless(smollm2_fp32_target):
 def test_gemma3_270m_assistant_reads_layer_17_trains_and_is_lossless():
     """target=gemma: the embedded Gemma 3 270M (a base model, given a plain-text template), in float32
     so that greedy serving is token-for-token plain decoding."""
-    from drafters.target import load_target
+    from drafters.target.model import load_target
 
     target = load_target(compose_train(["target=gemma", "target.dtype=float32"]).target)
     assert target.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,

@@ -3,6 +3,7 @@ hand-made greedy cases, and chi-square checks that rejection sampling keeps the 
 import pytest
 import torch
 
+from conftest import CHI2_MIN_PVALUE, chi2_pvalue
 from kernels import (
     compact_kv,
     compact_kv_caches,
@@ -16,7 +17,6 @@ from kernels import (
     rejection_verify_triton,
     tree_ancestors,
 )
-from conftest import CHI2_MIN_PVALUE, chi2_pvalue
 from kernels.dispatch import use_triton
 from kernels.verify import argmax_triton
 

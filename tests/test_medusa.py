@@ -13,11 +13,11 @@ from conftest import (CHI2_MIN_PVALUE, TOY_PROMPT, TOY_VOCAB, VARIED_TARGET, ass
                       assert_lossless_on_smollm2, assert_read_back, chat_ids, chi2_pvalue, compose_train, conversation,
                       edited_head, imported, encode, exact_joint, native_round_trip, plain_replies, run_export, saved,
                       train_steps, vocab_over, write_format)
-from drafters.artifact import read
 from drafters.base import build_drafter, capture
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from drafters.proposal import best_nodes
-from drafters.target import load_target
+from drafters.storage.artifact import read
+from drafters.target.model import load_target
 from export import formats
 from serving.engine import Sampler, generate_spec
 

@@ -14,12 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import (batch_vocab, compose_train, distilled_setup, lossless_accept_len, self_distilled_batch,
                       train_steps, trained_on)
-from drafters.artifact import SavedDrafter, read, verifier_of, write_native
 from drafters.base import build_drafter, capture
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from drafters.layers import DraftCache
 from drafters.losses import normalized_decay
-from drafters.target import load_target
+from drafters.storage.artifact import SavedDrafter, read, verifier_of, write_native
+from drafters.target.model import load_target
 from export import formats
 
 TINY = dict(vocab_size=49152, hidden_size=32, intermediate_size=64, num_attention_heads=4, tie_word_embeddings=False,

@@ -12,10 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import PROMPTS, VARIED_TARGET, chat_ids, self_distilled_batch
-from drafters import precision
 from drafters.base import Captured, capture
-from drafters.errors import UserError
-from drafters.precision import Hardware, choose, cpu_hardware, gpu_support
+from drafters.config.errors import UserError
+from drafters.target import precision
+from drafters.target.precision import Hardware, choose, cpu_hardware, gpu_support
 from serving import artifact
 from serving.bench import compare
 from serving.engine import generate_plain, generate_spec
@@ -110,7 +110,7 @@ def python(code: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_avx2_only_resolves_float32_and_warns_once_for_explicit_bf16():
-    code = ("import logging; logging.basicConfig(); from drafters import precision; "
+    code = ("import logging; logging.basicConfig(); from drafters.target import precision; "
             "print(precision.resolve('auto').name); precision.resolve('bf16'); precision.resolve('bf16')")
     result = python(code, AVX2_ONLY)
     assert result.returncode == 0, result.stderr

@@ -11,8 +11,8 @@ import torch
 
 from conftest import CHI2_MIN_PVALUE, TOY_PROMPT, TOY_VOCAB, chi2_pvalue, compose_train, encode, exact_joint
 from drafters.base import build_drafter
-from drafters.target import load_target
-from drafters.vocab import build_draft_vocab
+from drafters.target.model import load_target
+from drafters.target.vocab import build_draft_vocab
 from serving.engine import Sampler, generate_plain, generate_spec
 from serving.schedule import AutoSchedule
 

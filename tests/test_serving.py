@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from conftest import PROMPTS, ROOT, chat_ids, compose_train, head_for, run_cli
-from drafters.errors import UserError
-from drafters.target import load_target
+from drafters.config.errors import UserError
+from drafters.target.model import load_target
 from serving import artifact
 from serving.engine import generate_spec, generate_plain
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import compose_train
-from drafters.target import cache_root, converted_gguf, load_target, resolve_path
+from drafters.target.model import cache_root, converted_gguf, load_target, resolve_path
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FAMILIES, ROOT, TINY_RUN, distilled_setup, kill_while_writing, random_drafter, records
-from drafters.artifact import read
 from drafters.base import capture
+from drafters.storage.artifact import read
 
 
 def command(run_dir, *overrides):

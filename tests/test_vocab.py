@@ -5,8 +5,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from drafters.errors import UserError
-from drafters.vocab import DraftVocab, build_draft_vocab, load_or_build, tokenizer_fingerprint
+from drafters.config.errors import UserError
+from drafters.target.vocab import DraftVocab, build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training.data import render
 
 

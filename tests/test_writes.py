@@ -1,4 +1,4 @@
-"""drafters/writes.py on its own: what a reader sees of a write (the file whole, with the umask's
+"""drafters/storage/writes.py on its own: what a reader sees of a write (the file whole, with the umask's
 permissions), and what the next writer does with what a killed one left."""
 
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from drafters.errors import UserError
-from drafters.writes import UMASK, atomic_directory, atomic_file, remove_stale_partials, temp_beside
+from drafters.config.errors import UserError
+from drafters.storage.writes import UMASK, atomic_directory, atomic_file, remove_stale_partials, temp_beside
 
 
 def dead_pid() -> int:

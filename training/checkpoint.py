@@ -1,4 +1,4 @@
-"""Atomic training checkpoints (drafters/writes.py): write to a temp dir, fsync, rename; `latest`
+"""Atomic training checkpoints (drafters/storage/writes.py): write to a temp dir, fsync, rename; `latest`
 moves last."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import shutil
 from accelerate.utils import DistributedType, broadcast_object_list
 from safetensors import SafetensorError
 
-from drafters.errors import UserError
-from drafters.writes import STATE_FILE, commit_directory, remove_stale_partials, seal, temp_beside
+from drafters.config.errors import UserError
+from drafters.storage.writes import STATE_FILE, commit_directory, remove_stale_partials, seal, temp_beside
 
 
 def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:

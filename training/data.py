@@ -21,9 +21,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from drafters.layers import BufferedLayer
-from drafters.writes import atomic_file
+from drafters.storage.writes import atomic_file
 
 logger = logging.getLogger(__name__)
 

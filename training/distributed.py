@@ -15,7 +15,7 @@ from accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlu
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list, is_deepspeed_available
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.errors import MainProcessFailed, UserError
+from drafters.config.errors import MainProcessFailed, UserError
 
 DESCRIPTIONS = {
     "none": "one process",
@@ -24,7 +24,7 @@ DESCRIPTIONS = {
     "zero3": "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded over processes",
     "fsdp": "PyTorch FSDP: parameters, gradients and optimizer states sharded over processes",
 }
-# Accelerate's name for each resolved trainer.precision (drafters/precision.py)
+# Accelerate's name for each resolved trainer.precision (drafters/target/precision.py)
 MIXED_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}
 # What Accelerate must end up running for each mode; it silently falls back to plain processes
 # when a plugin does not apply (FSDP on CPU), so the trainer checks.

@@ -20,10 +20,10 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafters import precision
-from drafters.errors import UserError, command
-from drafters.target import load_target
-from drafters.writes import atomic_file, check_creatable, check_destination, remove_stale_partials
+from drafters.config.errors import UserError, command
+from drafters.storage.writes import atomic_file, check_creatable, check_destination, remove_stale_partials
+from drafters.target import precision
+from drafters.target.model import load_target
 from training import distributed, hidden_cache, settings
 from training.trainer import build_model, make_batch, prepare_data
 

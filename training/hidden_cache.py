@@ -26,8 +26,8 @@ import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
 
-from drafters.errors import UserError
-from drafters.writes import atomic_file
+from drafters.config.errors import UserError
+from drafters.storage.writes import atomic_file
 
 FORMAT, VERSION = "specdraft-hidden-states", 1
 INDEX = "index.json"

@@ -17,7 +17,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import BUG, USER_MISTAKE, UserError, command
+from drafters.config.errors import BUG, USER_MISTAKE, UserError, command
 from training import distributed, settings
 
 

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from drafters.writes import atomic_file  # noqa: E402
+from drafters.storage.writes import atomic_file  # noqa: E402
 
 
 class MetricsLog:

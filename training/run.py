@@ -8,7 +8,7 @@ import os
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.errors import command
+from drafters.config.errors import command
 
 log = logging.getLogger("training")
 

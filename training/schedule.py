@@ -11,7 +11,7 @@ from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
 
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 
 log = logging.getLogger("training")
 

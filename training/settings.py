@@ -1,5 +1,5 @@
 """conf/train.yaml's schema (training.run, training.dump, training.launch): checked right after Hydra
-composes the config, before any model loads (drafters/settings.py says how)."""
+composes the config, before any model loads (drafters/config/settings.py says how)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from drafters import settings
 from drafters.base import check_settings
-from drafters.errors import UserError
-from drafters.settings import PRECISIONS, above, anything, at_least, between, nonempty, one_of
+from drafters.config import settings
+from drafters.config.errors import UserError
+from drafters.config.settings import PRECISIONS, above, anything, at_least, between, nonempty, one_of
 
 
 @dataclass

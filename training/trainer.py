@@ -15,15 +15,17 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm.auto import tqdm
 
-from drafters import artifact, precision
+from drafters.storage import artifact
+
 from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
-from drafters.errors import UserError
-from drafters.target import load_target
-from drafters.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
-from drafters.writes import atomic_file, check_not_in_saved, holds_checkpoints
+from drafters.config.errors import UserError
+from drafters.storage.writes import atomic_file, check_not_in_saved, holds_checkpoints
+from drafters.target import precision
+from drafters.target.model import load_target
+from drafters.target.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training import checkpoint, data, distributed, hidden_cache
-from training.schedule import TimeBudget, make_schedule
 from training.metrics import MetricsLog
+from training.schedule import TimeBudget, make_schedule
 
 log = logging.getLogger("training")
 
@@ -167,7 +169,7 @@ def evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id) -> di
 
 def measured_accept_len(drafter, target, eval_set, cfg) -> float:
     """Real acceptance: the serving engine generates from held-out prompts (the text before the
-    first answer), greedy, chain of the drafter's K; tokens committed per target forward."""
+    first answer), greedy, a chain of the drafter's default length; tokens committed per target forward."""
     from serving.engine import generate_spec
 
     eos = {target.tokenizer.eos_token_id}
@@ -176,7 +178,7 @@ def measured_accept_len(drafter, target, eval_set, cfg) -> float:
         first_answer = example["loss_mask"].index(1)
         prompt = torch.tensor([example["input_ids"][:first_answer]], device=target.device)
         _, stats = generate_spec(target, drafter, prompt, cfg.trainer.eval_accept_tokens, eos,
-                                  steps=int(cfg.drafter.get("ttt_steps", 7)))
+                                  steps=drafter.default_steps(drafter.hparams()))
         tokens += stats.new_tokens
         forwards += stats.target_forwards
     return tokens / max(forwards, 1)

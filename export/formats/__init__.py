@@ -8,19 +8,17 @@ branching in drafters/ or export/run.py.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from omegaconf import OmegaConf
 
-from drafters.artifact import SavedDrafter, default_proposal, verifier_of
-from drafters.base import build_drafter
-from drafters.errors import UserError
-from drafters.target import Target, TargetSpec
-from drafters.vocab import DraftVocab
+from drafters.base import Registry, build_drafter
+from drafters.config.errors import UserError
+from drafters.storage.artifact import SavedDrafter, default_proposal, verifier_of
+from drafters.target.model import Target, TargetSpec
+from drafters.target.vocab import DraftVocab
 
 ANY_DRAFTER = "*"
 
@@ -72,7 +70,7 @@ def built_on_target(where: str, drafter: str, settings: dict, vocab: DraftVocab,
     weights.update({name: tensor.clone() for name, tensor in theirs.items()})  # their files may share a tensor
     hparams = built.hparams()
     saved = SavedDrafter(drafter, hparams, verifier_of(context.target.spec.to_dict(), context.target_cfg),
-                         context.target_cfg, weights, default_proposal(hparams))
+                         context.target_cfg, weights, default_proposal(drafter, hparams))
     saved.check_weights(where)
     return saved
 
@@ -91,24 +89,18 @@ class Format:
         self.write(saved, directory)
 
 
-FORMATS: list[Format] = []
+FORMATS = Registry(__name__)
 
 
 def register(fmt: Format) -> None:
-    FORMATS.append(fmt)
-
-
-def _discover() -> list[Format]:
-    for module in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{module.name}")
-    return FORMATS
+    FORMATS[fmt.name, fmt.drafter] = fmt
 
 
 def named(name: str) -> list[Format]:
     """The formats called `name` (one per drafter), or the one-line error listing the known names."""
-    found = [fmt for fmt in _discover() if fmt.name == name]
+    found = [fmt for fmt in FORMATS.everything().values() if fmt.name == name]
     if not found:
-        raise UserError(f"unknown format '{name}' (available: {', '.join(sorted({fmt.name for fmt in FORMATS}))})")
+        raise UserError(f"unknown format '{name}' (available: {', '.join(sorted({fmt.name for fmt in FORMATS.values()}))})")
     return found
 
 
@@ -123,9 +115,9 @@ def writer(name: str, drafter: str) -> Format:
 
 def reader(config: dict, where: str) -> Format:
     """The format whose reader takes a dir with this config.json."""
-    for fmt in _discover():
+    for fmt in FORMATS.everything().values():
         if fmt.recognizes and fmt.recognizes(config):
             return fmt
-    readable = ", ".join(f"{fmt.name} ({fmt.drafter})" for fmt in FORMATS if fmt.read)
+    readable = ", ".join(f"{fmt.name} ({fmt.drafter})" for fmt in FORMATS.values() if fmt.read)
     raise UserError(f"{where}: config.json is no layout this version reads "
                     f"(a specdraft checkpoint or native artifact, or {readable})")

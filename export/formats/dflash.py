@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
-from drafters.artifact import SavedDrafter, write_files
-from drafters.errors import UserError
+from drafters.config.errors import UserError
+from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, register
 from export.formats.eagle3 import (
     EMBEDDING,

@@ -24,8 +24,8 @@ import pickle
 
 import torch
 
-from drafters.artifact import SavedDrafter, write_files
-from drafters.errors import UserError
+from drafters.config.errors import UserError
+from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, built_on_target, check_sizes, draft_vocabulary, register
 from export.formats.eagle3 import check_layer_config, llama_fields, read_weight_files
 from export.formats.speculators import OURS, THEIRS, renamed

@@ -11,10 +11,10 @@ import pickle
 import torch
 from transformers import LlamaConfig, PretrainedConfig
 
-from drafters.artifact import SavedDrafter, default_proposal, read_weights, verifier_of
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from drafters.layers import draft_layer_config
-from drafters.target import TargetSpec
+from drafters.storage.artifact import SavedDrafter, default_proposal, read_weights, verifier_of
+from drafters.target.model import TargetSpec
 from export.formats import ImportFor
 
 EMBEDDING = "embed_tokens.weight"
@@ -110,7 +110,7 @@ def imported(where: str, weights: dict, aux_layers: list[int], draft_vocab_size:
     saved = SavedDrafter(cfg["name"], cfg, verifier_of(spec, context.target_cfg, name_or_path), context.target_cfg,
                          dict(weights), proposal={})
     saved.hparams = saved.skeleton().hparams()  # exactly what the drafter records about itself
-    saved.proposal = default_proposal(saved.hparams)
+    saved.proposal = default_proposal(saved.drafter, saved.hparams)
     if steps:  # the chain length their format records
         saved.proposal["steps"] = int(steps)
     if EMBEDDING not in saved.weights and "fc.weight" in saved.weights:

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from drafters.artifact import SavedDrafter, write_files
+from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, built_on_target, check_sizes, draft_vocabulary, register
 from export.formats.eagle3 import read_weight_files
 

@@ -9,8 +9,8 @@ convention. No embedding is written: SGLang gives the draft model the target's.
 
 from __future__ import annotations
 
-from drafters.artifact import SavedDrafter, write_files
 from drafters.eagle3 import default_aux_layers
+from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, register
 from export.formats.eagle3 import EMBEDDING, check_layer_config, imported, llama_fields, read_weight_files
 from export.layer_ids import translate_layer_ids

@@ -11,9 +11,9 @@ are always written.
 
 from __future__ import annotations
 
-from drafters.artifact import SavedDrafter, write_files
+from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
-from drafters.errors import UserError
+from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, register
 from export.formats.eagle3 import check_layer_config, imported, llama_fields, read_weight_files
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from drafters.artifact import SavedDrafter, default_proposal, verifier_of, write_files
 from drafters.base import build_drafter
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 from drafters.mtp import layout_named
-from drafters.vocab import build_draft_vocab
+from drafters.storage.artifact import SavedDrafter, default_proposal, verifier_of, write_files
+from drafters.target.vocab import build_draft_vocab
 from export.formats import Format, ImportFor, register
 
 FORMAT = "specdraft.target_mtp"
@@ -54,7 +54,7 @@ def read(path: str, config: dict, context: ImportFor) -> SavedDrafter:
     hparams = drafter.hparams()
     return SavedDrafter("mtp", hparams, verifier_of(target.spec.to_dict(), context.target_cfg), context.target_cfg,
                         {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()},
-                        default_proposal(hparams))
+                        default_proposal("mtp", hparams))
 
 
 register(Format("target_mtp", "mtp", write=write, recognizes=recognizes, read=read))

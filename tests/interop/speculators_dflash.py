@@ -40,16 +40,16 @@ sys.path.insert(0, ROOT)
 
 from speculators_eagle3 import VERIFIER_OWNED, export
 
-from drafters.artifact import (
+from drafters.base import build_drafter
+from drafters.storage.artifact import (
     SavedDrafter,
     default_proposal,
     read,
     verifier_of,
     write_native,
 )
-from drafters.base import build_drafter
-from drafters.target import load_target
-from drafters.vocab import build_draft_vocab
+from drafters.target.model import load_target
+from drafters.target.vocab import build_draft_vocab
 
 TEXT = ("KV caches store the keys and values of every past token, so each new token attends to them "
         "without recomputing the whole prefix. They trade memory for speed.")
@@ -74,7 +74,7 @@ def random_artifact(drafter_name: str, directory: str) -> str:
     hparams = drafter.hparams()
     saved = SavedDrafter(drafter.name, hparams, verifier_of(target.spec.to_dict(), target_cfg), target_cfg,
                          {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()},
-                         default_proposal(hparams))
+                         default_proposal(drafter.name, hparams))
     path = os.path.join(directory, "native")
     os.mkdir(path)
     write_native(saved, path)

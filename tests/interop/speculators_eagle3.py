@@ -31,9 +31,9 @@ from safetensors.torch import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from drafters.artifact import read  # noqa: E402
 from drafters.layers import ttt_attention_reference  # noqa: E402
-from drafters.target import load_target  # noqa: E402
+from drafters.storage.artifact import read  # noqa: E402
+from drafters.target.model import load_target  # noqa: E402
 
 TEXT = ("KV caches store the keys and values of every past token, so each new token attends to them "
         "without recomputing the whole prefix. They trade memory for speed, and their size grows with "

@@ -20,7 +20,7 @@ import tempfile
 import uuid
 from contextlib import contextmanager
 
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 
 STATE_FILE = "trainer_state.json"  # what marks a directory as a training checkpoint
 PARTIAL, OLD = ".partial-", ".old-"  # temp names: what is being written, what it replaces

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafters.errors import UserError, no_such_setting
+from drafters.config.errors import UserError, no_such_setting
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from functools import lru_cache
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters import precision
-from drafters.errors import UserError
-from drafters.writes import remove_stale_partials, seal, temp_beside
+from drafters.config.errors import UserError
+from drafters.storage.writes import remove_stale_partials, seal, temp_beside
+from drafters.target import precision
 
 
 @dataclass

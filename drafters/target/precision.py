@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from drafters.errors import UserError
+from drafters.config.errors import UserError
 
 log = logging.getLogger("specdraft")
 

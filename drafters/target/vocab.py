@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from drafters.errors import UserError
-from drafters.writes import atomic_file
+from drafters.config.errors import UserError
+from drafters.storage.writes import atomic_file
 
 FORMAT = "specdraft.draft_vocab"
 VERSION = 1

@@ -147,7 +147,7 @@ def check_command_line(config_name: str, overrides: list[str]) -> None:
         return
     if not run_dir.strip():  # Hydra would run in the working directory, among the user's files
         raise UserError("hydra.run.dir=: must not be empty")
-    from drafters.writes import check_creatable
+    from drafters.storage.writes import check_creatable
 
     check_creatable(run_dir, "hydra.run.dir")
 

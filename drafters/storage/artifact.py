@@ -22,12 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from drafters import settings
 from drafters.base import Drafter, build_drafter, drafter_class
-from drafters.errors import UserError
-from drafters.target import TargetSpec
-from drafters.vocab import DraftVocab
-from drafters.writes import STATE_FILE
+from drafters.config import settings
+from drafters.config.errors import UserError
+from drafters.storage.writes import STATE_FILE
+from drafters.target.model import TargetSpec
+from drafters.target.vocab import DraftVocab
 
 NATIVE_FORMAT, NATIVE_VERSION = "specdraft", 1
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -106,24 +106,9 @@ def verifier_of(spec: dict, target: dict, name_or_path: str | None = None) -> di
     return {**spec, "architecture": causal_lm_architecture(spec["model_type"]), "name_or_path": name_or_path}
 
 
-EAGLE_DEPTH = 5  # the EAGLE repo's draft depth
-
-
-def default_steps(hparams: dict) -> int:
-    """How many tokens a head drafts per target forward unless told otherwise, read off its
-    hyper-parameters: the unroll it was trained for (`ttt_steps`: EAGLE-3, MTP, Gemma MTP), a
-    block's draft slots (`block_size` - 1: DFlash, DSpark; the first slot holds the bonus token),
-    its heads (`num_heads`: Medusa; checked last, Gemma MTP's `num_heads` are attention heads).
-    A head with none of these drafts step by step with no trained length (EAGLE-1): EAGLE_DEPTH."""
-    if "ttt_steps" in hparams:
-        return int(hparams["ttt_steps"])
-    if "block_size" in hparams:
-        return max(1, int(hparams["block_size"]) - 1)
-    return int(hparams.get("num_heads", EAGLE_DEPTH))
-
-
-def default_proposal(hparams: dict) -> dict:
-    return {"draft": "chain", "steps": default_steps(hparams)}
+def default_proposal(drafter: str, hparams: dict) -> dict:
+    """How an artifact of this drafter is served unless told otherwise."""
+    return {"draft": "chain", "steps": drafter_class(drafter).default_steps(hparams)}
 
 
 def read_json(path: str, where: str) -> dict:
@@ -172,7 +157,7 @@ def read(path: str) -> SavedDrafter:
                                 weights, document["proposal"])
         target = document["config"]["target"]
         return SavedDrafter(document["drafter"], document["hparams"], verifier_of(document["target_spec"], target),
-                            target, weights, default_proposal(document["hparams"]))
+                            target, weights, default_proposal(document["drafter"], document["hparams"]))
     except (KeyError, TypeError) as error:
         raise UserError(f"artifact {path}: {form} lacks field {error}") from None
 

@@ -1,0 +1,1 @@
+"""What users pass: typed settings with their ranges, and the one-line errors every command gives."""

@@ -1,0 +1,2 @@
+"""Drafters on disk: training checkpoints and native artifacts, and the atomic writes every
+command makes."""
