@@ -15,6 +15,7 @@ from drafters.config.errors import UserError
 from drafters.target.model import Target, TargetSpec
 from drafters.target.vocab import DraftVocab
 
+
 class Registry(dict):
     """What the modules of one package register as they are imported (drafters here, artifact formats
     in export/formats/). Every module of the package is imported at the first lookup, so a new module

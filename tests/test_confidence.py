@@ -13,6 +13,7 @@ from drafters.target.vocab import build_draft_vocab
 from serving.engine import Sampler
 from transformers import DynamicCache
 
+
 def drafter_state(name, target):
     """A random-init drafter of family `name` with its context extended over a prompt, as the
     engine leaves it before proposing: (drafter, its cache, feature, logits)."""

@@ -22,6 +22,7 @@ from export.formats.eagle3 import llama_fields
 from export.formats.speculators import renamed
 from serving.engine import generate_spec
 
+
 def train_cfg(*overrides):
     return compose_train([*VARIED_TARGET, "drafter=eagle", *overrides])
 
