@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -88,8 +89,19 @@ def teacher_signal(target: Target, vocab: DraftVocab, aux: list[torch.Tensor], f
     )
 
 
+class DraftState(Protocol):
+    """A drafter's serving state (a DraftCache, DFlash's ContextCache, gemma_mtp's TargetContext):
+    `length` context entries, cropped back to the committed tokens after each verification."""
+
+    length: int
+
+    def crop(self, length: int) -> None: ...
+
+
 class Drafter(nn.Module):
-    """A draft head. Subclasses live in one file each and register themselves."""
+    """A draft head: training (`loss` on what the target says) and serving (what serving/engine.py
+    calls; drafters/proposal.py implements it for the two shapes of drafter). Subclasses live in one
+    file each and register themselves."""
 
     name: str = ""
     Settings: type = settings.Drafter  # the keys of its conf/drafter/*.yaml, their types and ranges
@@ -122,6 +134,27 @@ class Drafter(nn.Module):
     def default_steps(cls, hparams: dict) -> int:
         """Drafts per target forward when serving is not told (`steps=`): what a drafter with these
         hyper-parameters was trained to draft."""
+        raise NotImplementedError
+
+    def new_cache(self, target_cache=None) -> DraftState:
+        """A fresh serving state; `target_cache` (the target's KV cache, kept in step with the committed
+        tokens) is there for drafters that read it (Gemma-style MTP assistants)."""
+        raise NotImplementedError
+
+    def extend(self, cache: DraftState, aux: list[torch.Tensor], next_tokens: torch.Tensor):
+        """Add context entries for the target's features `aux` [B, n, H] each, with the tokens committed
+        after them [B, n]; returns (feature, draft logits) to propose from."""
+        raise NotImplementedError
+
+    def propose_chain(self, cache: DraftState, feature, logits, steps: int, draw=None, stop=None):
+        """Up to `steps` drafts: (target ids [B, k], distributions [B, k, V_draft], confidences [B, k],
+        the drafter's estimate that each is accepted). `draw(logits) -> (draft ids, distribution)`
+        picks (default greedy); `stop(confidences so far)` may end the chain early."""
+        raise NotImplementedError
+
+    def propose_tree(self, cache: DraftState, feature, logits, depth: int, topk: int, total: int, draw=None):
+        """A tree of at most `total` drafts: (target ids [n], parents [n] with 0 = the last committed
+        token, distributions [1 + n, V_draft] each node's children were drawn from, or None greedy)."""
         raise NotImplementedError
 
 

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv, rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv
 
 from drafters.base import Captured, register
 from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.config.settings import above, at_least
-from drafters.layers import TargetNorm
+from drafters.layers import TargetNorm, rope
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
 from drafters.target.model import TargetClasses, full_attention_rope, full_attention_rope_parameters
@@ -45,8 +45,7 @@ class AssistantAttention(nn.Module):
 
     def forward(self, x, cos, sin, keys, values, causal: bool):
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)).transpose(1, 2)
-        q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+        q = rope(self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
         groups = self.heads // keys.shape[1]
         keys, values = repeat_kv(keys.to(q.dtype), groups), repeat_kv(values.to(q.dtype), groups)
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal)

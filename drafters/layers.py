@@ -228,32 +228,12 @@ class DraftCache(KVBuffer):
         return torch.nn.functional.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
 
 
-def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of TTT step k = len(keys) - 1 over [B, heads, T, D] tensors (kv heads pre-expanded).
-
-    Position t of step k stands for sequence position t + k of a draft chain whose context ends at
-    t: it sees step 0 (the target-fed context) causally up to t, plus its own chain entries — the
-    same position t of steps 1..k. This is what the drafter sees at serving time, unrolled.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    length = q.shape[-2]
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    context = (q @ keys[0].transpose(-1, -2)) * scale
-    context = context.masked_fill(~causal, torch.finfo(context.dtype).min)
-    chain = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
-    weights = torch.softmax(torch.cat([context, *chain], -1).float(), -1).to(q.dtype)
-    out = weights[..., :length] @ values[0]
-    for j, v in enumerate(values[1:]):
-        out = out + weights[..., length + j : length + j + 1] * v
-    return out
-
-
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class _ContextChainAttention(torch.autograd.Function):
-    """`ttt_attention_reference` without the [T, T] score matrix: the causal context part runs in
+    """TTT attention (see `ttt_attention`) without the [T, T] score matrix: the causal context part runs in
     PyTorch's fused CPU flash kernel, the k chain keys per position are merged in through the
     log-sum-exp, and the backward hands the flash kernel the merged output and log-sum-exp (the
     ring-attention identity), so no gradient ever needs the context-only normalizer."""
@@ -286,7 +266,7 @@ class _ContextChainAttention(torch.autograd.Function):
 
 
 def ttt_attention_merged(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """`ttt_attention_reference` as one fused attention call (GPUs: PyTorch's memory-efficient or
+    """TTT attention as one fused attention call (GPUs: PyTorch's memory-efficient or
     cuDNN kernel, CUDA and ROCm alike): every (step, position) is a key of its own, and the mask
     shows step 0 causally and steps >= 1 on the diagonal. Its [T, T * steps] scores are computed in
     tiles, never stored."""
@@ -311,8 +291,14 @@ class UnrolledAttention:
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """TTT attention through a fused kernel: on CPU the flash kernel with the chain merged in by
-    log-sum-exp (no [T, T] scores), elsewhere one masked attention call."""
+    """Attention of TTT step k = len(keys) - 1 over [B, heads, T, D] tensors (kv heads pre-expanded).
+    Position t of step k stands for sequence position t + k of a draft chain whose context ends at
+    t: it sees step 0 (the target-fed context) causally up to t, plus its own chain entries, the
+    same position t of steps 1..k; this is what the drafter sees at serving time, unrolled.
+
+    Through a fused kernel: on CPU the flash kernel with the chain merged in by log-sum-exp (no
+    [T, T] scores), elsewhere one masked attention call (tests/test_eagle3.py holds the plain
+    reference both are checked against)."""
     if q.device.type != "cpu":
         return ttt_attention_merged(q, keys, values)
     if len(keys) == 1:

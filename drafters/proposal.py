@@ -8,11 +8,9 @@
   `extend` returns logits [B, K, V_draft] for the K tokens after the bonus token, and chains and
   trees are built from those fixed per-position distributions.
 
-The engine's contract: `new_cache(target_cache)`, `extend(cache, aux, next_tokens) -> (feature,
-logits)`, `propose_chain(...) -> (tokens, dists, confidence)` and `propose_tree(...) -> (tokens,
-parents, dists)`. `confidence` [B, steps] is the drafter's estimate that each draft is accepted
-(default: its top probability); confidence-scheduled verification cuts the chain where their
-running product falls below a threshold. Draft ids map to target ids through a `d2t` buffer.
+Both implement the serving half of the `Drafter` interface (drafters/base.py). A draft's
+confidence is by default its top probability; confidence-scheduled verification cuts the chain
+where their running product falls below a threshold. Draft ids map to target ids through `d2t`.
 """
 
 from __future__ import annotations
@@ -37,8 +35,6 @@ class StepDrafter(Drafter):
         raise NotImplementedError
 
     def new_cache(self, target_cache=None) -> DraftCache:
-        """The drafter's serving state; `target_cache` (the target's KV cache, kept in step with
-        the committed tokens) is there for drafters that read it (Gemma-style MTP assistants)."""
         return DraftCache()
 
     @staticmethod

@@ -1,5 +1,9 @@
 import os
 
+# pytest runs on two workers (pyproject's -n 2): one torch thread each, in this process and in the
+# commands tests start, or two workers' spin-waiting threads slow small-model work ~25x on 2 cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 # Must precede any import of kernels: Triton decorates them at import time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -291,11 +295,10 @@ def write_format(saved_drafter, fmt, directory):
     return OmegaConf.load(directory / "config.json"), load_file(directory / "model.safetensors")
 
 
-def assert_lossless_on_smollm2(drafter_name, *options, **tree):
-    """An untrained head on the real SmolLM2-135M (float32: no bf16 near-ties), greedy: a 5-draft chain
-    and a tree of shape `tree`, or each generate_spec option set in `options`."""
+def assert_lossless_on_smollm2(smollm2, drafter_name, *options, **tree):
+    """An untrained head on the real SmolLM2-135M (`smollm2_fp32_target`: no bf16 near-ties), greedy: a
+    5-draft chain and a tree of shape `tree`, or each generate_spec option set in `options`."""
     cfg = compose_train(["target=llama", "target.dtype=float32", f"drafter={drafter_name}"])
-    smollm2 = load_target(cfg.target)
     stream = torch.randint(0, smollm2.spec.vocab_size, (20000,), generator=torch.Generator().manual_seed(0)).tolist()
     torch.manual_seed(0)
     drafter = build_drafter(cfg.drafter, smollm2, vocab_over(smollm2, stream, 4096)).eval()

@@ -242,6 +242,6 @@ def test_dspark_sampling_with_confidence_scheduling_keeps_the_target_distributio
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dflash", "dspark"])
-def test_smollm2_serves_losslessly_in_float32(name):
+def test_smollm2_serves_losslessly_in_float32(smollm2_fp32_target, name):
     options = [dict(steps=7), dict(steps=7, min_confidence=0.1)]
-    assert_lossless_on_smollm2(name, *options, *([dict(draft="tree", depth=4, topk=3, total=12)] if name == "dflash" else []))
+    assert_lossless_on_smollm2(smollm2_fp32_target, name, *options, *([dict(draft="tree", depth=4, topk=3, total=12)] if name == "dflash" else []))

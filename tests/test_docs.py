@@ -65,8 +65,8 @@ def test_adding_a_drafter_takes_one_module_and_one_yaml(tmp_path):
     files = walkthrough_files()
     assert sorted(files) == ["conf/drafter/lookahead.yaml", "drafters/lookahead.py"]
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", "outputs", "multirun", "__pycache__", "*.egg-info",
-                                                              ".pytest_cache", "wandb"))
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", "venv", "outputs", "multirun", "__pycache__",
+                                                              "*.egg-info", ".pytest_cache", "wandb"))
     for path, body in files.items():
         assert not (repo / path).exists()
         (repo / path).write_text(body)

@@ -209,5 +209,5 @@ def test_bad_eagle1_heads_are_one_line_and_eagle3_heads_are_not_taken(target, an
 
 
 @pytest.mark.slow
-def test_smollm2_serves_losslessly_in_float32():
-    assert_lossless_on_smollm2("eagle", depth=4, topk=4, total=16)
+def test_smollm2_serves_losslessly_in_float32(smollm2_fp32_target):
+    assert_lossless_on_smollm2(smollm2_fp32_target, "eagle", depth=4, topk=4, total=16)

@@ -1,12 +1,14 @@
+import math
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from conftest import compose_train
+from conftest import assert_lossless_on_smollm2, compose_train
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
-from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_merged, ttt_attention_reference
+from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_merged
 from drafters.target.model import full_attention_rope
 from drafters.target.vocab import build_draft_vocab
 
@@ -87,6 +89,21 @@ def test_aux_layers_out_of_range_is_user_error(tiny_target):
     cfg = compose_train(["target=tiny_llama", "drafter.aux_layers=[1,2,99]"]).drafter
     with pytest.raises(UserError, match="out of range"):
         build_drafter(cfg, tiny_target, random_vocab(tiny_target.spec.vocab_size, 64))
+
+
+def ttt_attention_reference(q, keys, values):
+    """TTT attention written out: step 0's scores causal, step j >= 1's only on the diagonal, one softmax."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    context = (q @ keys[0].transpose(-1, -2)) * scale
+    context = context.masked_fill(~causal, torch.finfo(context.dtype).min)
+    chain = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    weights = torch.softmax(torch.cat([context, *chain], -1).float(), -1).to(q.dtype)
+    out = weights[..., :length] @ values[0]
+    for j, v in enumerate(values[1:]):
+        out = out + weights[..., length + j : length + j + 1] * v
+    return out
 
 
 @pytest.mark.parametrize("steps", [1, 2, 5])
@@ -184,3 +201,9 @@ def test_smollm2_capture_and_teacher(smollm2_target):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     loss, metrics = drafter.loss(batch, capture(target, vocab, batch, layers))
     assert torch.isfinite(loss) and "acc/7" in metrics
+
+
+@pytest.mark.slow
+def test_smollm2_tree_is_lossless_in_float32(smollm2_fp32_target):
+    """EAGLE-2's dynamic tree under an EAGLE-3 head on the real SmolLM2-135M: the greedy output is plain decoding's."""
+    assert_lossless_on_smollm2(smollm2_fp32_target, "eagle3", dict(draft="tree", depth=4, topk=4, total=16))

@@ -305,5 +305,5 @@ def test_bad_medusa_heads_are_one_line(target, answer, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_serves_losslessly_in_float32():
-    assert_lossless_on_smollm2("medusa", depth=5, topk=4, total=16)
+def test_smollm2_serves_losslessly_in_float32(smollm2_fp32_target):
+    assert_lossless_on_smollm2(smollm2_fp32_target, "medusa", depth=5, topk=4, total=16)

@@ -12,13 +12,15 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from safetensors import SafetensorError
 
 from drafters.config.errors import UserError
+from drafters.storage.artifact import TrainingState
 from drafters.storage.writes import STATE_FILE, commit_directory, remove_stale_partials, seal, temp_beside
 
 
-def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_last: int) -> str:
+def save(accelerator, model, checkpoints_dir: str, state: TrainingState, keep_last: int) -> str:
     """Model, optimizer, scheduler, RNG (through Accelerate) + `trainer_state.json`; returns the dir.
     Under DeepSpeed and FSDP, whose own formats are sharded per process, the whole weights are
     also gathered into `model.safetensors`, where resume-free readers (export, serving) look."""
+    step = state.step
     final = os.path.join(checkpoints_dir, f"step-{step}")
     partial = [temp_beside(final) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
@@ -32,8 +34,7 @@ def save(accelerator, model, checkpoints_dir: str, step: int, state: dict, keep_
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
         accelerator.save_model(model, partial)  # collective: every process takes part
     if accelerator.is_main_process:
-        with open(os.path.join(partial, STATE_FILE), "w") as handle:
-            json.dump({**state, "step": step}, handle, indent=1)
+        state.write(partial)
         seal(partial)
         commit_directory(partial, final)  # a step resumed from an earlier checkpoint is replaced whole
         latest = os.path.join(checkpoints_dir, "latest")
@@ -53,10 +54,10 @@ def _prune(checkpoints_dir: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(checkpoints_dir, f"step-{step}"))
 
 
-def find(resume: str, checkpoints_dir: str, max_steps: int) -> dict | None:
-    """The state of the checkpoint to resume from, its dir under "path": `no` -> None, `auto` ->
-    latest if any, else a given dir. Refused before any work: a run dir whose checkpoints `no` would
-    overwrite, a checkpoint that is not one or is already at `max_steps`."""
+def find(resume: str, checkpoints_dir: str, max_steps: int) -> tuple[str, TrainingState] | None:
+    """The checkpoint to resume from and its state: `no` -> None, `auto` -> latest if any, else a
+    given dir. Refused before any work: a run dir whose checkpoints `no` would overwrite, a
+    checkpoint that is not one or is already at `max_steps`."""
     if resume in (None, "no", False):
         existing = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-")) \
             if os.path.isdir(checkpoints_dir) else []
@@ -74,13 +75,10 @@ def find(resume: str, checkpoints_dir: str, max_steps: int) -> dict | None:
     if not os.path.isfile(os.path.join(path, STATE_FILE)):
         raise UserError(f"trainer.resume: {path} is not a training checkpoint (no {STATE_FILE})")
     state = read_state(path)
-    step = state.get("step")
-    if not isinstance(step, int):
-        raise UserError(f"trainer.resume: {os.path.join(path, STATE_FILE)} has no step")
-    if step >= max_steps:
-        raise UserError(f"trainer.resume: {path} is already at step {step} and trainer.max_steps={max_steps}: "
+    if state.step >= max_steps:
+        raise UserError(f"trainer.resume: {path} is already at step {state.step} and trainer.max_steps={max_steps}: "
                         f"nothing left to train (raise trainer.max_steps to train on)")
-    return {**state, "path": path}
+    return path, state
 
 
 def load(accelerator, path: str) -> None:
@@ -93,24 +91,21 @@ def load(accelerator, path: str) -> None:
                         f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'truncated'})") from None
 
 
-def read_state(path: str) -> dict:
+def read_state(path: str) -> TrainingState:
     """A checkpoint's trainer_state.json, or a one-line UserError naming what is wrong with it."""
     where = os.path.join(path, STATE_FILE)
     try:
         with open(where) as handle:
-            state = json.load(handle)
+            return TrainingState.parse(json.load(handle), where)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UserError(f"checkpoint {where} is unreadable ({str(error).splitlines()[0]})") from None
-    if not isinstance(state, dict):
-        raise UserError(f"checkpoint {where} is not a training state (a JSON object)")
-    return state
 
 
-def check_compatible(path: str, state: dict, expected: dict) -> None:
+def check_compatible(path: str, state: TrainingState, expected: dict) -> None:
     """Refuse to resume a checkpoint made for another drafter, target or draft vocabulary."""
     for field in ("drafter", "target", "target_fingerprint", "vocab_key"):
-        if state.get(field) != expected[field]:
+        if getattr(state, field) != expected[field]:
             raise UserError(
-                f"cannot resume from {path}: it was trained with {field}={state.get(field)!r}, "
+                f"cannot resume from {path}: it was trained with {field}={getattr(state, field)!r}, "
                 f"this run has {field}={expected[field]!r}"
             )

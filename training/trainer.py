@@ -68,7 +68,7 @@ VOCAB_KEY_MEANING = {"tokenizer": "the tokenizer", "data": "the training convers
                      "target_vocab": "the target's vocabulary"}
 
 
-def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str, resumed: dict | None):
+def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str, resumed: tuple | None):
     streams = list(zip(train_set["input_ids"], train_set["loss_mask"]))
     data_hash = hashlib.sha256(json.dumps(streams).encode()).hexdigest()[:16]
     key = {
@@ -77,11 +77,11 @@ def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str, resumed: dic
         "size": int(cfg.drafter.draft_vocab_size),
         "target_vocab": target.spec.vocab_size,
     }
-    stored = (resumed or {}).get("vocab_source")
+    stored = resumed[1].vocab_source if resumed else None
     if stored is not None and stored != json.loads(json.dumps(key)):  # refused before the run's vocab file is rebuilt
         changed = [f"{VOCAB_KEY_MEANING.get(name, name)} ({stored.get(name)} -> {key.get(name)})"
                    for name in sorted(stored.keys() | key.keys()) if stored.get(name) != key.get(name)]
-        raise UserError(f"cannot resume from {resumed['path']}: its draft vocabulary was built from other inputs; "
+        raise UserError(f"cannot resume from {resumed[0]}: its draft vocabulary was built from other inputs; "
                         f"changed: {', '.join(changed)}")
     build = lambda: build_draft_vocab(streams, target.spec.vocab_size, int(cfg.drafter.draft_vocab_size), key)  # noqa: E731
     vocab, how = load_or_build(os.path.join(run_dir, "draft_vocab.safetensors"), key, build)
@@ -89,9 +89,9 @@ def prepare_vocab(cfg: DictConfig, target, train_set, run_dir: str, resumed: dic
     return vocab, key
 
 
-def build_model(cfg: DictConfig, target, train_set, run_dir: str, resumed: dict | None = None):
-    """The drafter to train, its draft vocabulary and the vocabulary's key (`resumed`: the state of
-    the checkpoint this run resumes, whose vocabulary it must rebuild)."""
+def build_model(cfg: DictConfig, target, train_set, run_dir: str, resumed: tuple | None = None):
+    """The drafter to train, its draft vocabulary and the vocabulary's key (`resumed`: the checkpoint
+    this run resumes and its state, whose vocabulary it must rebuild)."""
     if cfg.drafter.get("init_from"):
         # fine-tune a saved drafter: its architecture, draft vocabulary and weights come together
         drafter, vocab, vocab_key = artifact.start_from(cfg.drafter.init_from, cfg.drafter, target)
@@ -217,10 +217,10 @@ def record_config(cfg: DictConfig, run_dir: str) -> None:
             OmegaConf.save(content, partial)
 
 
-def preflight(cfg: DictConfig, run_dir: str) -> dict | None:
+def preflight(cfg: DictConfig, run_dir: str) -> tuple[str, artifact.TrainingState] | None:
     """The checks that need no model, before any work or process group (training.launch runs them
     once before it starts processes): the run dir, the data file, what to resume. Returns the
-    checkpoint state to resume from, or None."""
+    checkpoint to resume from and its state, or None."""
     check_not_in_saved(run_dir, "hydra.run.dir")
     if holds_checkpoints(run_dir):
         raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
@@ -233,7 +233,7 @@ def preflight(cfg: DictConfig, run_dir: str) -> dict | None:
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
     resumed = preflight(cfg, run_dir)
-    resume_from = resumed["path"] if resumed else None
+    resume_from, resumed_state = resumed or (None, None)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     precisions = settle_precision(cfg, run_dir)
     accelerator = distributed.make_accelerator(cfg, run_dir)
@@ -267,9 +267,9 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     }
     start_step = 0
     if resume_from:
-        checkpoint.check_compatible(resume_from, resumed, identity)
+        checkpoint.check_compatible(resume_from, resumed_state, identity)
         checkpoint.load(accelerator, resume_from)
-        start_step = resumed["step"]
+        start_step = resumed_state.step
         log.info("resumed from %s at step %d", resume_from, start_step)
     budget = TimeBudget(cfg, accelerator, rate, start_step)  # rate.total: the run's length from here on
     if start_step >= rate.total:  # a time budget settled this run's length below max_steps
@@ -355,9 +355,9 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             log.info("step %d: eval/sim_accept_len %.3f, eval/acc/1 %.3f (%.1f s)", done, last_eval["eval/sim_accept_len"],
                      last_eval.get("eval/acc/1", math.nan), time.perf_counter() - eval_began)
         if done % cfg.trainer.save_every == 0 or last:
-            state = {**identity, "vocab_source": vocab_key, "hparams": hparams, "target_spec": target.spec.to_dict(), "precision": precisions,
-                     "data_position": {"step": done, "seed": cfg.seed}, "config": OmegaConf.to_container(cfg, resolve=True)}
-            checkpoint.save(accelerator, drafter, checkpoints_dir, done, state, cfg.trainer.keep_last)
+            state = artifact.TrainingState(done, **identity, vocab_source=vocab_key, hparams=hparams, target_spec=target.spec.to_dict(),
+                                           config=OmegaConf.to_container(cfg, resolve=True), precision=precisions)
+            checkpoint.save(accelerator, drafter, checkpoints_dir, state, cfg.trainer.keep_last)
         step = done
     progress.close()
     metrics_log.plot()

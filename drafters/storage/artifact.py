@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -34,6 +34,39 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 AUX_LAYER_CONVENTION = "input of layer k (= HF hidden_states[k])"
 # What a drafter's weights and aux layer ids depend on: a target differing in these is another target.
 VERIFIER_FIELDS = ("vocab_size", "hidden_size", "num_layers")
+
+
+@dataclass
+class TrainingState:
+    """`trainer_state.json`, what marks a training checkpoint: written by training/checkpoint.py,
+    read back there to resume the run, and by `read` below to serve or export the checkpoint."""
+
+    step: int
+    drafter: str  # registry name
+    target: str  # the target's TargetSpec.name
+    target_fingerprint: str
+    vocab_key: str  # a digest of vocab_source
+    vocab_source: dict  # what the draft vocabulary was built from (training/trainer.py: prepare_vocab)
+    hparams: dict  # Drafter.hparams()
+    target_spec: dict  # TargetSpec.to_dict()
+    config: dict  # the run's resolved config
+    precision: dict = field(default_factory=dict)  # what `auto` resolved to, on which hardware
+
+    def write(self, directory: str) -> None:
+        with open(os.path.join(directory, STATE_FILE), "w") as handle:
+            json.dump(asdict(self), handle, indent=1)
+
+    @classmethod
+    def parse(cls, document, where: str) -> "TrainingState":
+        """From a decoded trainer_state.json, or a one-line UserError naming what it lacks."""
+        if not isinstance(document, dict):
+            raise UserError(f"checkpoint {where} is not a training state (a JSON object)")
+        missing = [spec.name for spec in fields(cls) if spec.name not in document and spec.name != "precision"]
+        if missing:
+            raise UserError(f"checkpoint {where} lacks {', '.join(missing)}")
+        if not isinstance(document["step"], int):
+            raise UserError(f"checkpoint {where} has no step (an integer)")
+        return cls(**{spec.name: document[spec.name] for spec in fields(cls) if spec.name in document})
 
 
 @dataclass
@@ -76,11 +109,11 @@ class SavedDrafter:
             raise UserError(f"{where}: {'; '.join(problems)} (drafter {self.drafter}, target {self.verifier['name']})")
 
     def check_target(self, spec: TargetSpec, where: str) -> None:
-        for field in VERIFIER_FIELDS:
-            if self.verifier[field] != getattr(spec, field):
+        for name in VERIFIER_FIELDS:
+            if self.verifier[name] != getattr(spec, name):
                 raise UserError(
-                    f"artifact {where} was made for target {self.verifier['name']} ({field}={self.verifier[field]}), "
-                    f"the loaded target {spec.name} has {field}={getattr(spec, field)}"
+                    f"artifact {where} was made for target {self.verifier['name']} ({name}={self.verifier[name]}), "
+                    f"the loaded target {spec.name} has {name}={getattr(spec, name)}"
                 )
 
     def build(self, where: str) -> Drafter:
@@ -155,9 +188,10 @@ def read(path: str) -> SavedDrafter:
                                 f"this specdraft reads version {NATIVE_VERSION}")
             return SavedDrafter(document["drafter"], document["hparams"], document["verifier"], document["target"],
                                 weights, document["proposal"])
-        target = document["config"]["target"]
-        return SavedDrafter(document["drafter"], document["hparams"], verifier_of(document["target_spec"], target),
-                            target, weights, default_proposal(document["drafter"], document["hparams"]))
+        state = TrainingState.parse(document, os.path.join(path, STATE_FILE))
+        target = state.config["target"]
+        return SavedDrafter(state.drafter, state.hparams, verifier_of(state.target_spec, target),
+                            target, weights, default_proposal(state.drafter, state.hparams))
     except (KeyError, TypeError) as error:
         raise UserError(f"artifact {path}: {form} lacks field {error}") from None
 

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 
 from drafters.base import build_drafter
 from drafters.config.errors import UserError
-from drafters.mtp import layout_named
 from drafters.storage.artifact import SavedDrafter, default_proposal, verifier_of, write_files
+from drafters.storage.mtp_layouts import layout_named
 from drafters.target.vocab import build_draft_vocab
 from export.formats import Format, ImportFor, register
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from drafters.layers import ttt_attention_reference  # noqa: E402
+from drafters.layers import UnrolledAttention  # noqa: E402
 from drafters.storage.artifact import read  # noqa: E402
 from drafters.target.model import load_target  # noqa: E402
 
@@ -53,13 +53,7 @@ def ours_logits(drafter, aux, ids, steps):
     position t reads token t+1+k): the unroll Eagle3.loss trains, with all rows kept."""
     feature = drafter.fuse(aux)
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
-    keys, values, logits = [], [], []
-
-    def attend(q, key, value):
-        keys.append(key)
-        values.append(value)
-        return ttt_attention_reference(q, keys, values)
-
+    attend, logits = UnrolledAttention(), []
     for k in range(steps):
         tokens = F.pad(ids[:, 1 + k:], (0, 1 + k))
         cos, sin = drafter.rotary(feature, positions + k)
