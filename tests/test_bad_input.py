@@ -281,6 +281,7 @@ def test_cases_cover_every_entry_point_and_class():
                                            "serving.bench", "export.run"}
 
 
+@pytest.mark.long
 def test_bad_input_in_a_two_process_run_is_one_line(world, tmp_path):
     """The data file fails after the process group exists (in the main process, while the other
     waits for it): still one line from the main process, exit 2, no traceback from either process

@@ -5,9 +5,12 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import ROOT
 
 
+@pytest.mark.long
 def test_device_check_smoke(tmp_path):
     result = subprocess.run(["bash", "scripts/device_check.sh", "--smoke", str(tmp_path)], cwd=ROOT, capture_output=True,
                             text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

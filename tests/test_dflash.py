@@ -98,6 +98,7 @@ def test_loss_is_the_slot_decayed_cross_entropy(target, data):
     assert [metrics[f"loss/{j}"] for j in range(1, 8)] == pytest.approx(means.tolist(), rel=1e-5)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", ["dflash", "dspark"])
 def test_training_lowers_the_loss_and_serving_stays_lossless(target, data, name):
     """Real optimizer steps on self-distilled data: the loss falls, slot 1 learns the target's

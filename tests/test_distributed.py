@@ -51,6 +51,7 @@ def one_process(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])
 def test_two_processes_match_one(one_process, tmp_path, mode):
     output = launch(tmp_path, "launch.processes_per_node=2", f"distributed={mode}", "trainer.max_steps=2")
@@ -66,6 +67,7 @@ def test_two_processes_match_one(one_process, tmp_path, mode):
         assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))
 
 
+@pytest.mark.long
 def test_zero3_shards_the_drafter_not_the_target(one_process, tmp_path):
     launch(tmp_path, "launch.processes_per_node=2", "distributed=zero3", "trainer.max_steps=4")
     assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))  # gathered at save

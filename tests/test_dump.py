@@ -150,6 +150,7 @@ def test_killed_dump_resumes_without_rewriting_finished_shards(caches, tmp_path)
     assert_same_shards(directory, Path(cfg.data.cache.dir))
 
 
+@pytest.mark.long
 def test_two_process_dump_writes_the_same_cache(caches, tmp_path):
     cfg, _ = caches["bf16"]
     directory = tmp_path / "cache"

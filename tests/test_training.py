@@ -50,6 +50,7 @@ def test_run_dir_layout_metrics_plots_and_wandb(tmp_path):
     assert "final eval/sim_accept_len" in result.stderr + result.stdout
 
 
+@pytest.mark.long
 def test_sigkill_while_saving_then_resume_is_bitwise_identical(tmp_path):
     """Killed while its step-8 checkpoint is being written or renamed into place, resumed, killed
     again while saving step 12, resumed again: `latest` is whole after each kill, and the run ends
@@ -98,6 +99,7 @@ def test_multirun_sweep(tmp_path):
     assert lrs == {1e-3, 2e-3}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_smollm2_few_steps_loss_goes_down(tmp_path):
     run_dir = tmp_path / "smol"
