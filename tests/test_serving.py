@@ -138,6 +138,9 @@ def test_corrupt_artifact_is_one_clear_error(checkpoint, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="unreadable"):
         artifact.read(str(broken))
+    (broken / "model.safetensors").write_bytes(open(os.path.join(checkpoint, "model.safetensors"), "rb").read())
+    with pytest.raises(UserError, match=r"trainer_state.json lacks step, drafter, .*config$"):
+        artifact.read(str(broken))
 
 
 @pytest.mark.slow
