@@ -31,7 +31,7 @@ from drafters.base import Captured, register
 from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.config.settings import above, anything, at_least
-from drafters.layers import DraftLayer, KVBuffer, add_fused_head, copy_target_head, draft_layer_config
+from drafters.layers import ContextAttention, DraftLayer, KVBuffer, add_fused_head, copy_target_head, draft_layer_config
 from drafters.losses import trained_positions
 from drafters.proposal import ParallelDrafter
 
@@ -44,11 +44,7 @@ class DFlashLayer(DraftLayer):
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, context_kv, cos, sin, mask=None):
-        def attend(q, k, v):
-            k, v = torch.cat([context_kv[0], k], -2), torch.cat([context_kv[1], v], -2)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-        return super().forward(self.input_layernorm(h), h, cos, sin, attend)
+        return super().forward(self.input_layernorm(h), h, cos, sin, ContextAttention(*context_kv, mask))
 
 
 class ContextCache:

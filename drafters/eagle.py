@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from drafters.base import Captured, register
 from drafters.config import settings
 from drafters.config.settings import anything, at_least
-from drafters.layers import DraftCache, DraftLayer, TargetNorm, draft_layer_config
+from drafters.layers import DraftCache, DraftLayer, TargetNorm, UnrolledAttention, draft_layer_config
 from drafters.losses import distill, trained_positions
 from drafters.proposal import StepDrafter
 
@@ -93,8 +93,8 @@ class Eagle(StepDrafter):
         if self.training:
             noisy = feature + (torch.rand_like(feature) - 0.5) * float(self.cfg.feature_noise)
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
-        causal = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-        predicted = self.extrapolate(F.pad(input_ids[:, 1:], (0, 1)), noisy, positions, causal)
+        # one step of an unroll: causal attention over the sequence
+        predicted = self.extrapolate(F.pad(input_ids[:, 1:], (0, 1)), noisy, positions, UnrolledAttention())
         # position t predicts f_{t+1}, and through lm_head the teacher at t+1 (token t+2)
         rows = trained_positions(batch, captured)[:, 1:]
         predicted = predicted[:, :-1][rows].float()
@@ -108,6 +108,5 @@ class Eagle(StepDrafter):
     # ---- serving (StepDrafter): one extrapolation step per call, keys/values kept in a DraftCache
 
     def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
-        attend = lambda q, k, v: cache.attend(q, k, v, mask)  # noqa: E731
-        feature = self.extrapolate(tokens, feature, positions, attend)
+        feature = self.extrapolate(tokens, feature, positions, cache.attention(mask))
         return feature, self.lm_head(feature)

@@ -91,8 +91,7 @@ class Eagle3(StepDrafter):
 
     def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
         cos, sin = self.rotary(feature, positions)
-        attend = lambda q, k, v: cache.attend(q, k, v, mask)  # noqa: E731
-        feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
+        feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, cache.attention(mask))
         return feature, self.lm_head(self.norm(feature))
 
 

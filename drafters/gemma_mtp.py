@@ -18,16 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, repeat_kv
 
 from drafters.base import Captured, register
 from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.config.settings import above, at_least
-from drafters.layers import TargetNorm, rope
+from drafters.layers import ContextAttention, TargetNorm, rope
 from drafters.losses import normalized_decay, unrolled_distill
 from drafters.proposal import StepDrafter
 from drafters.target.model import TargetClasses, full_attention_rope, full_attention_rope_parameters
@@ -43,13 +42,10 @@ class AssistantAttention(nn.Module):
         self.q_norm = LlamaRMSNorm(self.head_dim, config.rms_norm_eps)  # queries on the scale of normed keys
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, keys, values, causal: bool):
+    def forward(self, x, cos, sin, attend: ContextAttention):
         batch, length, _ = x.shape
         q = rope(self.q_norm(self.q_proj(x).view(batch, length, self.heads, self.head_dim)).transpose(1, 2), cos, sin)
-        groups = self.heads // keys.shape[1]
-        keys, values = repeat_kv(keys.to(q.dtype), groups), repeat_kv(values.to(q.dtype), groups)
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return self.o_proj(attend(q).transpose(1, 2).reshape(batch, length, -1))
 
 
 class AssistantLayer(nn.Module):
@@ -60,8 +56,8 @@ class AssistantLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, cos, sin, keys, values, causal: bool):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, keys, values, causal)
+    def forward(self, x, cos, sin, attend: ContextAttention):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,14 +76,6 @@ class TargetContext:
         return layer.keys[..., : self.length, :], layer.values[..., : self.length, :]
 
 
-class KeyValueRecorder:
-    """Stands in for a KV cache in one attention call, keeping what the layer would store."""
-
-    def update(self, keys, values, *args, **kwargs):
-        self.keys, self.values = keys, values
-        return keys, values
-
-
 class TargetKeysValues:
     """Training only: the keys/values target layer `layer` writes to its KV cache, recomputed from the
     captured input of that layer by the target's own frozen attention (the engine's cache holds the same)."""
@@ -100,10 +88,10 @@ class TargetKeysValues:
         decoder_layer = self.target.decoder_layers[self.layer]
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         rope = full_attention_rope(self.target.model.model.rotary_emb, hidden, positions)
-        recorder = KeyValueRecorder()
+        cache = DynamicCache()  # what the layer writes to it is what serving reads
         decoder_layer.self_attn(hidden_states=decoder_layer.input_layernorm(hidden), position_embeddings=rope,
-                                attention_mask=None, cache=recorder)
-        return recorder.keys, recorder.values
+                                attention_mask=None, cache=cache)
+        return cache.layers[self.layer].keys, cache.layers[self.layer].values
 
 
 def readable_kv_layer(spec, classes: TargetClasses) -> int:
@@ -201,12 +189,17 @@ class GemmaMTP(StepDrafter):
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         return self.target_norm(aux[-1].to(self.pre_projection.weight.dtype))
 
-    def assist(self, tokens, activation, cos, sin, keys, values, causal: bool):
+    def target_attention(self, keys, values, causal: bool) -> ContextAttention:
+        """The assistant's queries over the target's cached keys/values (kv heads expanded to its own)."""
+        groups = self.layer_config.num_attention_heads // keys.shape[1]
+        return ContextAttention(repeat_kv(keys, groups), repeat_kv(values, groups), causal=causal)
+
+    def assist(self, tokens, activation, cos, sin, attend: ContextAttention):
         """The next activation (target width) from each token and the activation before it."""
         embeds = self.embed_tokens(tokens) * self.embed_scale
         x = self.pre_projection(torch.cat([embeds, activation], -1))
         for layer in self.layers:
-            x = layer(x, cos, sin, keys, values, causal)
+            x = layer(x, cos, sin, attend)
         return self.post_projection(self.norm(x))
 
     def loss(self, batch: dict, captured: Captured):
@@ -217,9 +210,9 @@ class GemmaMTP(StepDrafter):
         positions = torch.arange(1, batch["input_ids"].shape[1] + 1, device=keys.device).unsqueeze(0)
         cos, sin = full_attention_rope(self.rotary, keys, positions)
         weights = normalized_decay(float(self.cfg.loss_decay), int(self.cfg.ttt_steps))
+        attend = self.target_attention(keys, values, causal=True)
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights,
-                                step=lambda k, tokens, activation: self.assist(tokens, activation, cos, sin, keys,
-                                                                               values, causal=True),
+                                step=lambda k, tokens, activation: self.assist(tokens, activation, cos, sin, attend),
                                 head=self.lm_head)
 
     # ---- serving: the engine's StepDrafter loop, over the target's cache
@@ -240,5 +233,5 @@ class GemmaMTP(StepDrafter):
         # position and sees the committed context only (tree nodes never see each other)
         keys, values = cache.keys_values()
         cos, sin = full_attention_rope(self.rotary, feature, torch.full_like(tokens, cache.length))
-        feature = self.assist(tokens, feature, cos, sin, keys, values, causal=False)
+        feature = self.assist(tokens, feature, cos, sin, self.target_attention(keys, values, causal=False))
         return feature, self.lm_head(feature)

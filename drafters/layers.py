@@ -1,7 +1,12 @@
 """Building blocks shared by drafters: a Llama-style layer config derived from the target, the
-draft decoder layer (attention + MLP), a frozen copy of the target's final norm, attention for
-training-time test (TTT) unrolling, and the preallocated KV storage of drafters' caches (and of
-the target's when it decodes a batch)."""
+draft decoder layer (attention + MLP), a frozen copy of the target's final norm, the preallocated KV
+storage of drafters' caches (and of the target's when it decodes a batch), and attention.
+
+Attention is one protocol: a layer computes its queries, keys and values [B, heads, T, D] (kv heads
+expanded) and hands them to an `attend(q, k, v)`, which decides what they see: UnrolledAttention in
+training (TTT), CachedAttention at serving (a DraftCache), ContextAttention over a fixed context
+(DFlash's block, gemma_mtp over the target's cache). HF decoder layers reach it through the
+AttentionInterface of drafters/mtp.py."""
 
 from __future__ import annotations
 
@@ -47,8 +52,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 class DraftAttention(nn.Module):
     """Llama attention over `input_size`-wide inputs (EAGLE-3: [embedding ; feature], 2H; EAGLE-1: H).
-    `project` gives the queries/keys/values; the caller's `attend(q, k, v)` decides what they see
-    (TTT attention in training, a DraftCache at serving). `qk_norm`: Qwen3's per-head RMSNorm on
+    `project` gives the queries/keys/values; the caller's `attend(q, k, v)` decides what they see. `qk_norm`: Qwen3's per-head RMSNorm on
     queries and keys before RoPE (the DFlash layer's)."""
 
     def __init__(self, config, input_size: int, qk_norm: bool = False):
@@ -218,14 +222,39 @@ class DraftCache(KVBuffer):
     """A drafter's own KV cache at serving time, cropped after each verification to the entries
     backed by accepted tokens."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
-        """Append the new entries, then attention of the new queries over the whole cache: causal,
-        or `mask` [new, total] (True = visible) for tree drafting."""
-        start = self.length
-        self.append(k, v)
+    def attention(self, mask: torch.Tensor | None = None) -> CachedAttention:
+        """The `attend` of one draft step over this cache (tree drafting: `mask` [new, total], True = visible)."""
+        return CachedAttention(self, mask)
+
+
+class CachedAttention:
+    """A serving step's `attend`: the step's keys/values are appended to the cache, then its queries
+    see the whole cache, causally or under the tree mask."""
+
+    def __init__(self, cache: KVBuffer, mask: torch.Tensor | None = None):
+        self.cache, self.mask = cache, mask
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, mask = self.cache.length, self.mask
+        self.cache.append(k, v)
         if mask is None and q.shape[-2] > 1:  # one query sees every entry: no mask needed
-            mask = torch.ones(q.shape[-2], self.length, dtype=torch.bool, device=q.device).tril(start)
-        return torch.nn.functional.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
+            mask = torch.ones(q.shape[-2], self.cache.length, dtype=torch.bool, device=q.device).tril(start)
+        return torch.nn.functional.scaled_dot_product_attention(q, self.cache.keys, self.cache.values, attn_mask=mask)
+
+
+class ContextAttention:
+    """The `attend` of queries over a fixed context (a block drafter's target context, the target's own
+    cache) followed by their own keys/values if any: under `mask` [.., Q, context + Q] (True = visible),
+    causally (`causal`, queries and context aligned), or all of it."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False):
+        self.keys, self.values, self.mask, self.causal = keys, values, mask, causal
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        keys, values = self.keys.to(q.dtype), self.values.to(q.dtype)
+        if k is not None:
+            keys, values = torch.cat([keys, k], -2), torch.cat([values, v], -2)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, is_causal=self.causal)
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

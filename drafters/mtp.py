@@ -46,7 +46,7 @@ ATTENTION = "specdraft_mtp"
 def block_attention(module, query, key, value, attention_mask, scaling=None, attend=None, **_):
     """The MTP block's attention (its config's `_attn_implementation`): the HF module computes q, k, v
     its own way (MLA, gated heads, q/k norms), `attend(q, k, v)` decides what they see: TTT attention
-    in training, the DraftCache at serving."""
+    in training, a DraftCache's at serving."""
     width = value.shape[-1]
     # attend() scales by 1/sqrt(head size): the module's own scale (Gemma's, MLA's) goes into q
     query = query * (scaling * query.shape[-1] ** 0.5)
@@ -162,5 +162,5 @@ class MTP(StepDrafter):
     # ---- serving: the same block, run incrementally over a DraftCache (see StepDrafter)
 
     def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
-        feature = self.predict(tokens, feature, positions, lambda q, k, v: cache.attend(q, k, v, mask))
+        feature = self.predict(tokens, feature, positions, cache.attention(mask))
         return feature, self.lm_head(self.norm(feature))

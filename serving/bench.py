@@ -193,7 +193,7 @@ def plot(results: dict, path: str) -> None:
 
 @command("bench")
 def main(cfg: DictConfig) -> None:
-    from serving import artifact
+    from drafters.storage import artifact
     from serving.engine import generate_plain
     from serving.prompts import chat_prompt, check_length, load_prompts
     from serving.settings import announce_precision, check_options, spec_options

@@ -12,7 +12,7 @@ from serving.settings import Serve, announce_precision, check_options, sampler, 
 
 @command("serve")
 def main(cfg: DictConfig) -> None:
-    from serving import artifact
+    from drafters.storage import artifact
     from serving.engine import generate_spec, generate_plain
 
     check(cfg, Serve)

@@ -104,10 +104,14 @@ CHI2_MIN_PVALUE = 0.001
 
 
 def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Chi-square goodness of fit; cells the target gives zero mass must stay empty."""
+    """Chi-square goodness of fit; cells the target gives zero mass must stay empty, cells expecting
+    fewer than 5 are pooled into one (the chi-square approximation needs counts)."""
     keep = expected > 0
     assert observed[~keep].sum() == 0, "a token with zero target probability was emitted"
     o, e = observed[keep].double(), expected[keep].double()
+    small = e < 5
+    if small.sum() > 1:
+        o, e = torch.cat([o[~small], o[small].sum(0, keepdim=True)]), torch.cat([e[~small], e[small].sum(0, keepdim=True)])
     stat, dof = ((o - e) ** 2 / e).sum(), int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 

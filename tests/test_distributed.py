@@ -52,6 +52,7 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.long
+@pytest.mark.xdist_group("one_process")  # one worker builds the reference for all three
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])
 def test_two_processes_match_one(one_process, tmp_path, mode):
     output = launch(tmp_path, "launch.processes_per_node=2", f"distributed={mode}", "trainer.max_steps=2")
@@ -68,6 +69,7 @@ def test_two_processes_match_one(one_process, tmp_path, mode):
 
 
 @pytest.mark.long
+@pytest.mark.xdist_group("one_process")
 def test_zero3_shards_the_drafter_not_the_target(one_process, tmp_path):
     launch(tmp_path, "launch.processes_per_node=2", "distributed=zero3", "trainer.max_steps=4")
     assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))  # gathered at save

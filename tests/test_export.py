@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import compose_train, run_export
 from drafters.config.errors import UserError
+from drafters.storage import artifact
 from drafters.storage.artifact import default_proposal
 from drafters.target.model import load_target
 from export.layer_ids import translate_layer_ids
-from serving import artifact
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "Speculative decoding drafts tokens with a small head and verifies them with the target."

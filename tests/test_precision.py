@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 from conftest import PROMPTS, VARIED_TARGET, chat_ids, self_distilled_batch
 from drafters.base import Captured, capture
 from drafters.config.errors import UserError
+from drafters.storage import artifact
 from drafters.target import precision
 from drafters.target.precision import Hardware, choose, cpu_hardware, gpu_support
-from serving import artifact
 from serving.bench import compare
 from serving.engine import generate_plain, generate_spec
 from training import schedule

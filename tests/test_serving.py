@@ -10,8 +10,8 @@ import pytest
 
 from conftest import PROMPTS, ROOT, chat_ids, compose_train, head_for, run_cli
 from drafters.config.errors import UserError
+from drafters.storage import artifact
 from drafters.target.model import load_target
-from serving import artifact
 from serving.engine import generate_spec, generate_plain
 
 

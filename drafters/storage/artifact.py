@@ -5,7 +5,7 @@
   self-describing form of docs/design.md: the drafter and its hyper-parameters (aux layer ids as
   "input of layer k"), the verifier it was made for, default proposal settings.
 
-serving/artifact.py loads either for generation, training fine-tunes one (`drafter.init_from`),
+`load` readies either for generation, training fine-tunes one (`drafter.init_from`),
 export/ converts them to and from other engines' formats. Weights keep the drafter's own
 state_dict names (d2t/t2d included); only export renames them.
 """
@@ -26,7 +26,8 @@ from drafters.base import Drafter, build_drafter, drafter_class
 from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.storage.writes import STATE_FILE
-from drafters.target.model import TargetSpec
+from drafters.target import precision
+from drafters.target.model import Target, TargetSpec, load_target
 from drafters.target.vocab import DraftVocab
 
 NATIVE_FORMAT, NATIVE_VERSION = "specdraft", 1
@@ -194,6 +195,20 @@ def read(path: str) -> SavedDrafter:
                             target, weights, default_proposal(state.drafter, state.hparams))
     except (KeyError, TypeError) as error:
         raise UserError(f"artifact {path}: {form} lacks field {error}") from None
+
+
+def load(path: str, target: Target | None = None, dtype: str = "auto") -> tuple[Target, Drafter]:
+    """(target, drafter) ready to generate, on the GPU where there is one, the target computing in
+    `dtype` (auto: the precision native to that device, whatever the head was trained in); refuses
+    an artifact made for another target."""
+    saved = read(path)
+    if target is None:
+        target_cfg = OmegaConf.create(saved.target)
+        target_cfg.dtype = precision.canonical(dtype, key="dtype")
+        target = load_target(target_cfg, "cuda" if torch.cuda.is_available() else "cpu")  # ROCm's torch says cuda too
+    saved.check_target(target.spec, path)
+    # the drafter runs where the target runs, in its dtype
+    return target, saved.build(path).to(target.embed_weight.device, target.embed_weight.dtype).eval()
 
 
 def write_files(directory: str, config: dict, weights: dict[str, torch.Tensor]) -> None:
