@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import typing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,6 +106,7 @@ class Drafter(nn.Module):
 
     name: str = ""
     Settings: type = settings.Drafter  # the keys of its conf/drafter/*.yaml, their types and ranges
+    layer_config = None  # the LlamaConfig of its draft decoder layers, if Llama-shaped: saved for engines
 
     def __init__(self, cfg: DictConfig, spec: TargetSpec, vocab: DraftVocab):
         super().__init__()
@@ -127,8 +129,14 @@ class Drafter(nn.Module):
         return self.loss(batch, captured)
 
     def hparams(self) -> dict:
-        """What rebuilds this drafter: stored in checkpoints and artifacts."""
-        raise NotImplementedError
+        """What rebuilds this drafter, stored in checkpoints and artifacts: its saved settings as it
+        resolved them (an attribute of the same name where it fills in a default, else the config's
+        value), then its `layer_config`, if any."""
+        hints = typing.get_type_hints(self.Settings)
+        chosen = {spec.name: self.__dict__.get(spec.name, self.cfg.get(spec.name)) for spec in settings.saved_fields(self.Settings)}
+        chosen["draft_vocab_size"] = self.vocab.draft_size
+        hparams = {name: settings.plain(value, hints[name]) for name, value in chosen.items()}
+        return hparams | ({"layer_config": self.layer_config.to_dict()} if self.layer_config is not None else {})
 
     @classmethod
     def default_steps(cls, hparams: dict) -> int:

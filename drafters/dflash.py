@@ -82,11 +82,11 @@ class DFlash(ParallelDrafter):
         block_size: int = at_least(2)
         num_layers: int = at_least(1)
         aux_layers: list[int] | None = at_least(0, distinct=True)
-        num_aux: int = at_least(1)
+        num_aux: int = at_least(1, saved=False)  # aux_layers records the layers it chose
         mask_token_id: int | None = at_least(0)
         blocks_per_sequence: int = at_least(1)
         loss_gamma: float = above(0)
-        init_head_from_target: bool = anything()
+        init_head_from_target: bool = anything(saved=False)
 
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
@@ -107,18 +107,6 @@ class DFlash(ParallelDrafter):
 
     def capture_layers(self):
         return self.aux_layers
-
-    def hparams(self):
-        return {
-            "aux_layers": self.aux_layers,
-            "block_size": self.block_size,
-            "num_layers": len(self.layers),
-            "mask_token_id": self.mask_token_id,
-            "blocks_per_sequence": int(self.cfg.blocks_per_sequence),
-            "loss_gamma": float(self.cfg.loss_gamma),
-            "draft_vocab_size": self.vocab.draft_size,
-            "layer_config": self.layer_config.to_dict(),
-        }
 
     @classmethod
     def default_steps(cls, hparams):

@@ -59,10 +59,6 @@ class DSpark(DFlash):
         self.markov_head = MarkovHead(spec.vocab_size, vocab.draft_size, rank)
         self.confidence_head = ConfidenceHead(spec.hidden_size + rank)
 
-    def hparams(self):
-        return {**super().hparams(), "markov_rank": self.markov_head.markov_w1.embedding_dim,
-                **{key: float(self.cfg[key]) for key in ("ce_weight", "tv_weight", "confidence_weight")}}
-
     def markov(self, hidden: torch.Tensor, previous: torch.Tensor):
         """(logit bias [..., V_draft], confidence logit [...]) of slots with hidden states `hidden`
         [..., H] whose previous token is `previous` [...] (target ids)."""

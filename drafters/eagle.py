@@ -44,7 +44,8 @@ class Eagle(StepDrafter):
         self.layer_config = draft_layer_config(spec)
         self.embed_tokens = nn.Embedding(spec.vocab_size, width).requires_grad_(False)
         # vLLM's EAGLE-1 fc has no bias; the EAGLE repo's and SGLang's have one (fc_bias: heads imported from them)
-        self.fc = nn.Linear(2 * width, width, bias=bool(cfg.get("fc_bias", False)))
+        self.fc_bias = bool(cfg.get("fc_bias", False))
+        self.fc = nn.Linear(2 * width, width, bias=self.fc_bias)
         self.midlayer = DraftLayer(self.layer_config, width)
         self.lm_head = nn.Linear(width, vocab.draft_size, bias=False).requires_grad_(False)  # the target's
         self.target_norm = TargetNorm(spec)
@@ -55,16 +56,6 @@ class Eagle(StepDrafter):
     def capture_layers(self):
         # the last layer's output: `target_norm` makes it the feature f_t
         return [self.spec.num_layers]
-
-    def hparams(self):
-        return {
-            "draft_vocab_size": self.vocab.draft_size,
-            "fc_bias": self.fc.bias is not None,
-            "layer_config": self.layer_config.to_dict(),
-            "feature_noise": float(self.cfg.feature_noise),
-            "feature_weight": float(self.cfg.feature_weight),
-            "token_weight": float(self.cfg.token_weight),
-        }
 
     @classmethod
     def default_steps(cls, hparams):

@@ -44,7 +44,7 @@ class Eagle3(StepDrafter):
         aux_layers: list[int] | None = at_least(0, distinct=True)
         ttt_steps: int = at_least(1)
         loss_decay: float = above(0)
-        init_head_from_target: bool = anything()
+        init_head_from_target: bool = anything(saved=False)
 
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
@@ -55,15 +55,6 @@ class Eagle3(StepDrafter):
 
     def capture_layers(self):
         return self.aux_layers
-
-    def hparams(self):
-        return {
-            "aux_layers": self.aux_layers,
-            "ttt_steps": int(self.cfg.ttt_steps),
-            "loss_decay": float(self.cfg.loss_decay),
-            "draft_vocab_size": self.vocab.draft_size,
-            "layer_config": self.layer_config.to_dict(),
-        }
 
     @classmethod
     def default_steps(cls, hparams):

@@ -124,16 +124,18 @@ class GemmaMTP(StepDrafter):
         super().__init__(cfg, spec, vocab)
         classes = TargetClasses(spec)
         self.kv_layer = readable_kv_layer(spec, classes)
-        width = int(cfg.get("hidden_size") or spec.hidden_size // 2)
-        heads = int(cfg.get("num_heads") or spec.num_heads)
+        # the sizes left null take the target's (half its width), and are saved as resolved
+        self.hidden_size = width = int(cfg.get("hidden_size") or spec.hidden_size // 2)
+        self.num_heads = heads = int(cfg.get("num_heads") or spec.num_heads)
+        self.intermediate_size = int(cfg.get("intermediate_size") or spec.intermediate_size * width // spec.hidden_size)
         if heads % spec.num_kv_heads:
             raise UserError(f"drafter.num_heads={heads}: must be a multiple of the target's {spec.num_kv_heads} KV heads")
         if width % heads:
             raise UserError(f"drafter.hidden_size={width}: must be a multiple of its {heads} attention heads "
                             "(drafter.num_heads, default the target's)")
-        self.layer_config = LlamaConfig(
+        self.assistant_config = LlamaConfig(
             hidden_size=width,
-            intermediate_size=int(cfg.get("intermediate_size") or spec.intermediate_size * width // spec.hidden_size),
+            intermediate_size=self.intermediate_size,
             num_attention_heads=heads,
             head_dim=spec.head_dim,  # the target's: queries meet its keys
             num_hidden_layers=int(cfg.num_layers),
@@ -144,7 +146,7 @@ class GemmaMTP(StepDrafter):
         self.register_buffer("embed_scale", torch.tensor(1.0), persistent=True)  # Gemma's sqrt(H) embedding scale
         self.target_norm = TargetNorm(spec)  # the captured last-layer output -> the target's final hidden state
         self.pre_projection = nn.Linear(2 * spec.hidden_size, width, bias=False)
-        self.layers = nn.ModuleList(AssistantLayer(self.layer_config) for _ in range(int(cfg.num_layers)))
+        self.layers = nn.ModuleList(AssistantLayer(self.assistant_config) for _ in range(int(cfg.num_layers)))
         self.norm = LlamaRMSNorm(width, spec.rms_norm_eps)
         self.post_projection = nn.Linear(width, spec.hidden_size, bias=False)
         self.lm_head = nn.Linear(spec.hidden_size, vocab.draft_size, bias=False).requires_grad_(False)
@@ -156,17 +158,6 @@ class GemmaMTP(StepDrafter):
     def capture_layers(self):
         # the input of the cache layer (training recomputes its K/V) and the last layer's output (the activation)
         return [self.kv_layer, self.spec.num_layers]
-
-    def hparams(self):
-        return {
-            "ttt_steps": int(self.cfg.ttt_steps),
-            "loss_decay": float(self.cfg.loss_decay),
-            "draft_vocab_size": self.vocab.draft_size,
-            "hidden_size": self.layer_config.hidden_size,
-            "intermediate_size": self.layer_config.intermediate_size,
-            "num_layers": self.layer_config.num_hidden_layers,
-            "num_heads": self.layer_config.num_attention_heads,
-        }
 
     @classmethod
     def default_steps(cls, hparams):
@@ -191,7 +182,7 @@ class GemmaMTP(StepDrafter):
 
     def target_attention(self, keys, values, causal: bool) -> ContextAttention:
         """The assistant's queries over the target's cached keys/values (kv heads expanded to its own)."""
-        groups = self.layer_config.num_attention_heads // keys.shape[1]
+        groups = self.assistant_config.num_attention_heads // keys.shape[1]
         return ContextAttention(repeat_kv(keys, groups), repeat_kv(values, groups), causal=causal)
 
     def assist(self, tokens, activation, cos, sin, attend: ContextAttention):

@@ -68,14 +68,6 @@ class Medusa(ParallelDrafter):
         self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
         self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
-    def hparams(self):
-        return {
-            "num_heads": len(self.blocks),
-            "num_layers": int(self.cfg.num_layers),
-            "loss_decay": float(self.cfg.loss_decay),
-            "draft_vocab_size": self.vocab.draft_size,
-        }
-
     @classmethod
     def default_steps(cls, hparams):
         return int(hparams["num_heads"])

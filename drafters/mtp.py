@@ -66,7 +66,7 @@ class MTP(StepDrafter):
     class Settings(settings.Drafter):
         ttt_steps: int = at_least(1)
         loss_decay: float = above(0)
-        native_mtp: bool = anything()
+        native_mtp: bool = anything(saved=False)  # native_layout records what it read
         native_layout: str | None = anything()
 
     def __init__(self, cfg, spec, vocab):
@@ -93,14 +93,6 @@ class MTP(StepDrafter):
 
     def capture_layers(self):
         return [self.spec.num_layers]  # the last layer's output, normed by `target_norm`
-
-    def hparams(self):
-        return {
-            "ttt_steps": int(self.cfg.ttt_steps),
-            "loss_decay": float(self.cfg.loss_decay),
-            "draft_vocab_size": self.vocab.draft_size,
-            "native_layout": self.native_layout,
-        }
 
     @classmethod
     def default_steps(cls, hparams):

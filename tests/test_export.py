@@ -7,12 +7,16 @@ import os
 import shutil
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from conftest import compose_train, run_export
+from conftest import compose_train, random_drafter, run_export, vocab_over
+from drafters.base import build_drafter, drafter_class
+from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.storage import artifact
 from drafters.storage.artifact import default_proposal
@@ -318,3 +322,30 @@ def test_training_init_from_an_artifact(checkpoint, tmp_path):
 ])
 def test_default_steps_per_drafter(drafter, hparams, steps):
     assert default_proposal(drafter, hparams) == {"draft": "chain", "steps": steps}
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle", "medusa", "mtp", "gemma_mtp", "dflash", "dspark"])
+def test_hparams_are_the_saved_settings_as_resolved(tiny_target, name):
+    """What an artifact records is the drafter's Settings, declared once: every field but the
+    training-only ones, defaults filled in as built (aux layers chosen, sizes taken from the target),
+    in the field's type; a layer config beside them where the drafter has one."""
+    drafter = random_drafter(name, tiny_target, vocab_over(tiny_target, list(range(5, 600))))
+    hparams = drafter.hparams()
+    saved = [spec.name for spec in settings.saved_fields(drafter.Settings)]
+    assert list(hparams) == saved + ["layer_config"] * (drafter.layer_config is not None)
+    assert not {"name", "init_from", "init_head_from_target", "num_aux", "native_mtp"} & hparams.keys()
+    assert all(value is not None for key, value in hparams.items() if key != "native_layout")  # none: not read from one
+    hints = typing.get_type_hints(drafter.Settings)
+    for key in saved:
+        kind = [option for option in typing.get_args(hints[key]) if option is not type(None)] or [hints[key]]
+        assert hparams[key] is None or isinstance(hparams[key], typing.get_origin(kind[0]) or kind[0]), key
+    rebuilt = drafter_class(name)(OmegaConf.create(hparams), tiny_target.spec, drafter.vocab)
+    assert rebuilt.hparams() == hparams
+
+
+def test_a_whole_number_for_a_float_setting_saves_as_a_float(tiny_target):
+    vocab = vocab_over(tiny_target, list(range(5, 600)))
+    cfg = compose_train(["target=tiny_llama", "drafter.loss_decay=1"]).drafter
+    hparams = build_drafter(cfg, tiny_target, vocab).hparams()
+    assert hparams["loss_decay"] == 1.0 and isinstance(hparams["loss_decay"], float)
+    assert json.dumps(hparams["loss_decay"]) == "1.0"

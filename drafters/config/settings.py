@@ -6,7 +6,8 @@ A schema is a dataclass whose fields are the keys of one config node: the annota
 (`int`, `float`, `bool`, `str`, `list[int]`, `dict` for a free-form node, another schema for a
 nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of` /
 `nonempty` give the range (`at_least(..., distinct=True)`: a list without repeats). Defaults stay
-in the YAML: a schema only says what is allowed.
+in the YAML: a schema only says what is allowed. A drafter's schema is also what its artifacts
+record (`Drafter.hparams`): every field but those marked `saved=False` (training-only choices).
 
     @dataclass
     class Trainer:
@@ -58,12 +59,12 @@ def _number(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
-def _rule(allowed: Allowed | None = None):
-    return dataclasses.field(default=None, metadata={"allowed": allowed})
+def _rule(allowed: Allowed | None = None, saved: bool = True):
+    return dataclasses.field(default=None, metadata={"allowed": allowed, "saved": saved})
 
 
-def at_least(low: float, distinct: bool = False):
-    return _rule(Allowed(low=low, distinct=distinct))
+def at_least(low: float, distinct: bool = False, saved: bool = True):
+    return _rule(Allowed(low=low, distinct=distinct), saved)
 
 
 def above(low: float):
@@ -82,8 +83,25 @@ def nonempty():
     return _rule(Allowed(nonempty=True))
 
 
-def anything():
-    return _rule()
+def anything(saved: bool = True):
+    return _rule(saved=saved)
+
+
+def saved_fields(schema: type) -> list[dataclasses.Field]:
+    """The fields of a drafter's schema that its artifacts record."""
+    return [spec for spec in dataclasses.fields(schema) if spec.metadata.get("saved", True)]
+
+
+def plain(value, kind):
+    """A config value as the plain type `kind` names (`1` read for a float setting is 1.0; a list is a
+    list), so what is saved reads the same however the YAML wrote it."""
+    options = [option for option in typing.get_args(kind) if option is not type(None)]
+    if value is None:
+        return None
+    kind = options[0] if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union else kind
+    if typing.get_origin(kind) is list:
+        return [plain(item, typing.get_args(kind)[0]) for item in value]
+    return kind(value) if kind in (int, float, bool, str) else value
 
 
 def check(cfg: DictConfig, schema: type, prefix: str = "", present_only: bool = False) -> None:
@@ -191,6 +209,6 @@ def check_target(cfg: DictConfig) -> None:
 class Drafter:
     """What every conf/drafter/*.yaml has; each drafter's own keys: its class's `Settings`."""
 
-    name: str = anything()
+    name: str = anything(saved=False)
     draft_vocab_size: int = at_least(1)
-    init_from: str | None = anything()
+    init_from: str | None = anything(saved=False)
