@@ -133,7 +133,8 @@ class Drafter(nn.Module):
         resolved them (an attribute of the same name where it fills in a default, else the config's
         value), then its `layer_config`, if any."""
         hints = typing.get_type_hints(self.Settings)
-        chosen = {spec.name: self.__dict__.get(spec.name, self.cfg.get(spec.name)) for spec in settings.saved_fields(self.Settings)}
+        chosen = {spec.name: self.__dict__.get(spec.name, self.cfg.get(spec.name))
+                  for spec in settings.saved_fields(self.Settings)}
         chosen["draft_vocab_size"] = self.vocab.draft_size  # the vocabulary it was built over, which decides its shapes
         hparams = {name: settings.plain(value, hints[name]) for name, value in chosen.items()}
         return hparams | ({"layer_config": self.layer_config.to_dict()} if self.layer_config is not None else {})

@@ -52,8 +52,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 class DraftAttention(nn.Module):
     """Llama attention over `input_size`-wide inputs (EAGLE-3: [embedding ; feature], 2H; EAGLE-1: H).
-    `project` gives the queries/keys/values; the caller's `attend(q, k, v)` decides what they see. `qk_norm`: Qwen3's per-head RMSNorm on
-    queries and keys before RoPE (the DFlash layer's)."""
+    `project` gives the queries/keys/values; the caller's `attend(q, k, v)` decides what they see.
+    `qk_norm`: Qwen3's per-head RMSNorm on queries and keys before RoPE (the DFlash layer's)."""
 
     def __init__(self, config, input_size: int, qk_norm: bool = False):
         super().__init__()
