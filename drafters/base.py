@@ -107,6 +107,7 @@ class Drafter(nn.Module):
     name: str = ""
     Settings: type = settings.Drafter  # the keys of its conf/drafter/*.yaml, their types and ranges
     layer_config = None  # the LlamaConfig of its draft decoder layers, if Llama-shaped: saved for engines
+    progress = 1.0  # the share of the training run done (the trainer sets it each step): for curricula
 
     def __init__(self, cfg: DictConfig, spec: TargetSpec, vocab: DraftVocab):
         super().__init__()

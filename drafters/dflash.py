@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -32,7 +31,7 @@ from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.config.settings import above, anything, at_least
 from drafters.layers import ContextAttention, DraftLayer, KVBuffer, add_fused_head, copy_target_head, draft_layer_config
-from drafters.losses import trained_positions
+from drafters.losses import divergence, trained_positions
 from drafters.proposal import ParallelDrafter
 
 
@@ -212,8 +211,8 @@ class DFlash(ParallelDrafter):
     def loss(self, batch: dict, captured: Captured):
         rows = self.block_rows(batch, captured)
         logits = self.lm_head(rows.hidden)
-        cross_entropy = F.cross_entropy(logits.float(), rows.teacher, reduction="none")
-        return self.decayed(cross_entropy, rows.slot), self.slot_metrics(logits, rows, loss=cross_entropy)
+        loss = divergence(logits, rows.teacher, self.cfg.get("loss", "soft_ce"))
+        return self.decayed(loss, rows.slot), self.slot_metrics(logits, rows, loss=loss)
 
     # ---- serving: one block forward per target forward (ParallelDrafter's chains and trees)
 

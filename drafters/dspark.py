@@ -8,7 +8,7 @@
   token] -> the probability that the slot's draft is accepted (greedy: it is the target's token),
   trained with BCE. The engine's confidence-scheduled verification multiplies them along the chain.
 
-Loss, each term slot-decayed like DFlash's: 0.1 x cross-entropy + 0.9 x total variation (against
+Loss, each term slot-decayed like DFlash's: 0.1 x `drafter.loss` (soft cross-entropy) + 0.9 x total variation (against
 the target's distribution) + 1.0 x BCE. Training feeds the Markov head the data's own previous
 token (teacher forcing), serving the drawn draft.
 
@@ -28,6 +28,7 @@ from drafters.base import Captured, greedy_draw, register
 from drafters.config.errors import UserError
 from drafters.config.settings import at_least
 from drafters.dflash import ContextCache, DFlash
+from drafters.losses import divergence
 
 
 class MarkovHead(nn.Module):
@@ -70,8 +71,8 @@ class DSpark(DFlash):
         rows = self.block_rows(batch, captured)
         bias, confidence = self.markov(rows.hidden, rows.previous)
         logits = (self.lm_head(rows.hidden) + bias).float()
-        cross_entropy = F.cross_entropy(logits, rows.teacher, reduction="none")
-        variation = 0.5 * (torch.softmax(logits, -1) - rows.teacher).abs().sum(-1)
+        cross_entropy = divergence(logits, rows.teacher, self.cfg.get("loss", "soft_ce"))
+        variation = divergence(logits, rows.teacher, "tv")
         # a greedy verifier accepts the slot's draft iff it is the target's token
         accepted = (logits.argmax(-1) == rows.teacher_token).float()
         bce = F.binary_cross_entropy_with_logits(confidence.float(), accepted, reduction="none")

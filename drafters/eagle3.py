@@ -19,7 +19,7 @@ from drafters.config import settings
 from drafters.config.settings import above, anything, at_least
 from drafters.layers import (DraftCache, DraftLayer, UnrolledAttention, add_fused_head, copy_target_head,
                              draft_layer_config)
-from drafters.losses import unrolled_distill
+from drafters.losses import curriculum, unrolled_distill
 from drafters.proposal import StepDrafter
 
 
@@ -43,14 +43,17 @@ class Eagle3(StepDrafter):
     class Settings(settings.Drafter):
         aux_layers: list[int] | None = at_least(0, distinct=True)
         ttt_steps: int = at_least(1)
+        ttt_start: int | None = at_least(1, saved=False)
         loss_decay: float = above(0)
         init_head_from_target: bool = anything(saved=False)
+        freeze_head: bool = anything(saved=False)
 
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
         self.layer_config = draft_layer_config(spec)
         self.aux_layers = list(cfg.aux_layers) if cfg.get("aux_layers") else default_aux_layers(spec.num_layers)
         add_fused_head(self, spec, vocab, len(self.aux_layers), self.layer_config)
+        self.lm_head.requires_grad_(not cfg.get("freeze_head", False))
         self.midlayer = Eagle3Layer(self.layer_config)
 
     def capture_layers(self):
@@ -74,9 +77,10 @@ class Eagle3(StepDrafter):
             cos, sin = self.rotary(feature, positions + k)
             return self.midlayer(self.embed_tokens(tokens), feature, cos, sin, attend)
 
-        weights = [float(self.cfg.loss_decay) ** k for k in range(int(self.cfg.ttt_steps))]
+        unroll = curriculum(int(self.cfg.ttt_steps), self.cfg.get("ttt_start"), self.progress)
+        weights = [float(self.cfg.loss_decay) ** k for k in range(unroll)]
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights, step,
-                                head=lambda feature: self.lm_head(self.norm(feature)))
+                                head=lambda feature: self.lm_head(self.norm(feature)), kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the same layer, run incrementally over a DraftCache (see StepDrafter)
 

@@ -204,7 +204,7 @@ class GemmaMTP(StepDrafter):
         attend = self.target_attention(keys, values, causal=True)
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights,
                                 step=lambda k, tokens, activation: self.assist(tokens, activation, cos, sin, attend),
-                                head=self.lm_head)
+                                head=self.lm_head, kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the engine's StepDrafter loop, over the target's cache
 

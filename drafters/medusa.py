@@ -99,7 +99,8 @@ class Medusa(ParallelDrafter):
             # head k at t predicts token t+1+k: the teacher at t+k
             rows = predicts[:, k:]
             logits = lm_head(block(hidden[:, : length - k][rows]))
-            head_loss, metrics[f"acc/{k}"] = distill(logits, teacher[:, k:][rows], captured.teacher_token[:, k:][rows])
+            head_loss, metrics[f"acc/{k}"] = distill(logits, teacher[:, k:][rows], captured.teacher_token[:, k:][rows],
+                                                     self.cfg.get("loss", "soft_ce"))
             total = total + float(self.cfg.loss_decay) ** (k - 1) * head_loss
             metrics[f"loss/{k}"] = head_loss.detach()
         return total, metrics

@@ -149,7 +149,7 @@ class MTP(StepDrafter):
         weights = normalized_decay(float(self.cfg.loss_decay), int(self.cfg.ttt_steps))
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights,
                                 step=lambda k, tokens, hidden: self.predict(tokens, hidden, positions + k, attend),
-                                head=lambda hidden: self.lm_head(self.norm(hidden)))
+                                head=lambda hidden: self.lm_head(self.norm(hidden)), kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the same block, run incrementally over a DraftCache (see StepDrafter)
 

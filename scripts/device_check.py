@@ -7,7 +7,7 @@ Three parts, each timed, written to OUT/device_check.json and OUT/device_check.m
    bytes at this device's measured copy bandwidth;
 2. training throughput (target tokens/s, target forward included) of `training.run` for eagle3 and
    dflash, and one EAGLE-3 training step of ours against vLLM's `speculators` on the same random
-   hidden states where it is installed (benchmarks/speculators_step.py);
+   hidden states where it is installed (scripts/speculators_step.py);
 3. a head trained for a few minutes, then `serving.bench` on MT-bench / HumanEval / GSM8K, chain and
    tree, greedy; the head is kept in OUT/head.
 
@@ -153,7 +153,7 @@ def speculators_step(device: torch.device, smoke: bool) -> dict:
         import speculators  # noqa: F401
     except ImportError:
         return {"skipped": "speculators is not installed (pip install --no-deps speculators==0.9.0)"}
-    from benchmarks import speculators_step as step
+    import speculators_step as step  # beside this script, on sys.path as its folder
 
     tokens = 256 if smoke else 8192
     steps = {"specdraft": step.ours(tokens, 4, device), "speculators": step.theirs(tokens, 4, device)}

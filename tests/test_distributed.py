@@ -117,7 +117,7 @@ def test_fsdp_renders_for_gpus_and_is_refused_by_the_trainer_on_cpu(tmp_path, ca
 
 
 def test_slurm_script_starts_each_node_with_its_rank(tmp_path):
-    """launch/slurm.sbatch under stand-ins for scontrol and srun (srun runs the task as node 1 of 2)."""
+    """scripts/launch/slurm.sbatch under stand-ins for scontrol and srun (srun runs the task as node 1 of 2)."""
     stand_ins = tmp_path / "bin"
     stand_ins.mkdir()
     (stand_ins / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
@@ -126,7 +126,7 @@ def test_slurm_script_starts_each_node_with_its_rank(tmp_path):
         tool.chmod(0o755)
     env = {**ENV, "PATH": f"{stand_ins}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_SUBMIT_DIR": ROOT, "RUN_DIR": str(tmp_path / "run")}
-    result = subprocess.run(["bash", "launch/slurm.sbatch", "launch.dry_run=true", "distributed=zero2"], cwd=ROOT,
+    result = subprocess.run(["bash", "scripts/launch/slurm.sbatch", "launch.dry_run=true", "distributed=zero2"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "platform: rocm" in result.stdout

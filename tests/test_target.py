@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import compose_train
-from drafters.target.model import cache_root, converted_gguf, load_target, resolve_path
+from drafters.target.model import FEW_ROWS, FewRowsLinear, cache_root, converted_gguf, load_target, project, resolve_path
 
 
 @pytest.mark.slow
@@ -26,3 +26,21 @@ def test_converted_gguf_holds_the_ggufs_weights_and_tokenizer():
     text = "<|im_start|>user\nHow many r's in strawberry? 123<|im_end|>"
     assert target.tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert target.tokenizer.chat_template == tokenizer.chat_template
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS, FEW_ROWS + 1])
+def test_a_few_rows_are_multiplied_weight_first_to_the_same_product(rows):
+    torch.manual_seed(0)
+    weight, x = torch.randn(300, 64), torch.randn(1, rows, 64)
+    assert project(x, weight).shape == (1, rows, 300)
+    torch.testing.assert_close(project(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+    linear = torch.nn.Linear(64, 300)
+    expected = linear(x)
+    linear.__class__ = FewRowsLinear
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(project(x.bfloat16(), weight.bfloat16()), x.bfloat16() @ weight.bfloat16().T)  # other dtypes as before
+
+
+def test_the_targets_linear_layers_take_the_few_rows_path(tiny_target):
+    linears = [module for module in tiny_target.model.modules() if isinstance(module, torch.nn.Linear)]
+    assert linears and all(type(module) is FewRowsLinear for module in linears)

@@ -3,7 +3,7 @@ plan, then start this node's processes; `launch.dry_run=true` only prints it.
 
 One path at every scale: one process runs the module directly, more go through `accelerate
 launch` (torchrun underneath) with this node's rank, and SLURM runs this once per node
-(launch/slurm.sbatch). The distributed mode itself comes from `distributed=`, inside each
+(scripts/launch/slurm.sbatch). The distributed mode itself comes from `distributed=`, inside each
 process; all processes share one run dir, pinned with hydra.run.dir.
 """
 

@@ -141,6 +141,7 @@ def make_batch(dataset, indices, pad_id: int, device) -> dict:
 def evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id) -> dict:
     """Token-weighted eval accuracy per draft position, loss, simulated acceptance, vocab coverage."""
     drafter.eval()  # the prepared module: under ZeRO-3 only it holds whole parameters
+    accelerator.unwrap_model(drafter).progress = 1.0  # a curriculum's drafter is measured at its full unroll
     count = min(len(eval_set), cfg.trainer.eval_max_samples)
     totals, weights = {}, 0.0
     covered = masked = 0.0
@@ -306,13 +307,14 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     if accelerator.is_main_process:  # every check has passed: this run starts
         record_config(cfg, run_dir)
     drafter.train()
-    window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
+    window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}, "counts": {}}
     last_eval: dict = {}
     progress = tqdm(initial=start_step, total=rate.total, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     step = start_step
     while step < rate.total:
         began = time.perf_counter()
+        accelerator.unwrap_model(drafter).progress = step / rate.total
         for micro in range(cfg.trainer.grad_accum):
             indices = batch_indices(step, micro, cfg, len(train_set), accelerator.process_index, accelerator.num_processes)
             batch = make_batch(train_set, indices, pad_id, accelerator.device)
@@ -333,6 +335,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             window["n"] += 1
             for key, value in metrics.items():
                 window["metrics"][key] = window["metrics"].get(key, 0.0) + value
+                window["counts"][key] = window["counts"].get(key, 0) + 1  # a curriculum's late steps start later
         window["time"] += time.perf_counter() - began
         done = step + 1
         budget.after_step(done)
@@ -342,11 +345,12 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         if done % cfg.trainer.log_every == 0 or last:
             values = {"train/loss": float(window["loss"]) / window["n"], "train/lr": schedule.get_last_lr()[0],
                       "perf/tokens_per_s": float(window["tokens"]) / window["time"]}
-            values.update({f"train/{k}": float(v) / window["n"] for k, v in window["metrics"].items() if k.startswith("acc/")})
+            values.update({f"train/{k}": float(v) / window["counts"][k] for k, v in window["metrics"].items()
+                           if k.startswith("acc/")})
             metrics_log.log(done, values)
             progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
                                  tok_s=f"{values['perf/tokens_per_s']:.0f}")
-            window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}}
+            window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}, "counts": {}}
         if done % cfg.trainer.eval_every == 0 or last:
             eval_began = time.perf_counter()
             last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)

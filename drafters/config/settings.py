@@ -75,8 +75,8 @@ def between(low: float, high: float, open_low: bool = False):
     return _rule(Allowed(low=low, high=high, open_low=open_low))
 
 
-def one_of(*choices):
-    return _rule(Allowed(choices=choices))
+def one_of(*choices, saved: bool = True):
+    return _rule(Allowed(choices=choices), saved)
 
 
 def nonempty():
@@ -212,3 +212,4 @@ class Drafter:
     name: str = anything(saved=False)
     draft_vocab_size: int = at_least(1)
     init_from: str | None = anything(saved=False)
+    loss: str = one_of("soft_ce", "reverse_kl", "tv", saved=False)  # drafters/losses.py: divergence

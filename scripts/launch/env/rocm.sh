@@ -1,4 +1,4 @@
-# AMD Instinct MI300X nodes (ROCm; torch's "nccl" backend is RCCL). Sourced by launch/slurm.sbatch.
+# AMD Instinct MI300X nodes (ROCm; torch's "nccl" backend is RCCL). Sourced by scripts/launch/slurm.sbatch.
 # RCCL reads the NCCL_* names. The network lines depend on the cluster: set them for yours.
 export HSA_FORCE_FINE_GRAIN_PCIE=1            # peer-to-peer transport between the node's GPUs
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1      # a failed collective ends the job instead of hanging it

@@ -1,4 +1,4 @@
-# NVIDIA nodes (CUDA, NCCL). Sourced by launch/slurm.sbatch.
+# NVIDIA nodes (CUDA, NCCL). Sourced by scripts/launch/slurm.sbatch.
 # The network lines depend on the cluster: set them for yours.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1      # a failed collective ends the job instead of hanging it
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}

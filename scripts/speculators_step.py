@@ -3,7 +3,7 @@
 draft vocab 8192), interleaved, on random hidden states. Needs `pip install --no-deps
 speculators` plus its light deps in a separate venv; not part of the test suite.
 
-    python benchmarks/speculators_step.py --tokens 2048 --repeats 5
+    python scripts/speculators_step.py --tokens 2048 --repeats 5
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from drafters.target.vocab import build_draft_vocab  # noqa: E402
 
 SPEC = TargetSpec(name="smollm2-135m", model_type="llama", hidden_size=576, num_layers=30, vocab_size=49152,
                   num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
-                  rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, max_position_embeddings=8192,
-                  has_chat_template=True)
+                  rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, max_position_embeddings=8192)
 DRAFT_VOCAB = 8192
 
 
