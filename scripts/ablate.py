@@ -110,8 +110,19 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, help="the training budget of a row (default: the config's)")
     parser.add_argument("--out", default="ablation")
     args = parser.parse_args()
-    with open(args.config) as handle:
-        plan = yaml.safe_load(handle)
+    try:
+        with open(args.config) as handle:
+            plan = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as error:
+        why = getattr(error, "strerror", None) or " ".join(str(error).split())  # YAML's message spans lines
+        print(f"error: --config {args.config}: {why}", file=sys.stderr)
+        return 2
+    wanted = {"minutes": (int, float), "train": list, "bench": list, "rows": dict}
+    wrong = [key for key, kind in wanted.items() if not isinstance(plan, dict) or not isinstance(plan.get(key), kind)]
+    if wrong:
+        print(f"error: --config {args.config}: needs {', '.join(wrong)} (minutes: a number, train and bench: lists "
+              "of overrides, rows: name -> list of overrides)", file=sys.stderr)
+        return 2
     plan["minutes"] = args.minutes or plan["minutes"]
     unknown = sorted(set(args.rows or []) - set(plan["rows"]))
     if unknown:

@@ -29,6 +29,18 @@ def test_rows_share_a_hidden_state_cache_unless_they_change_what_it_holds():
     assert key(["seed=1", "trainer.lr=1"]) == key(["seed=1"])
 
 
+@pytest.mark.parametrize("content, named", [(None, "No such file"), ("rows: [a, b]\n", "needs minutes, train, bench, rows"),
+                                             ("minutes: [\n", "--config")])
+def test_a_missing_or_malformed_plan_is_one_line(tmp_path, content, named):
+    config = tmp_path / "plan.yaml"
+    if content is not None:
+        config.write_text(content)
+    result = subprocess.run([sys.executable, SCRIPT, "--config", str(config), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and named in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.long
 def test_each_row_is_trained_benched_and_tabled_once(tmp_path):
     plan = {"minutes": 0.1,
