@@ -8,8 +8,9 @@ A row is `training.run` with the file's `train` overrides, then the row's own, f
 wall clock (`trainer.max_minutes`: equal steps would favour the variants whose steps are cheap),
 reading the target's hidden states from the offline cache: `training.dump` writes it once per data
 and capture setting, and the rows that change neither share it. Then `serving.bench` with the
-file's `bench` overrides. Resumable: a row whose bench JSON exists is kept, an interrupted training
-resumes (`trainer.resume=auto`), a complete cache is reused. Writes <out>/table.json and
+file's `bench` overrides. Resumable: a row already in the table is kept, a finished training is
+benched without being rerun, an interrupted one resumes (`trainer.resume=auto`), a complete cache is
+reused, a failed row is tried again. Writes <out>/table.json and
 <out>/table.md.
 """
 
@@ -31,12 +32,13 @@ sys.path.insert(0, ROOT)
 from drafters.storage.writes import atomic_file  # noqa: E402
 
 # overrides that leave the hidden-state cache as it is: the rest (data, seed, target, the drafter
-# family or its capture layers) get a cache of their own
+# family or its capture layers) get a cache of their own (a wrong guess is refused by the cache's index)
 CACHE_FREE = ("trainer.", "drafter.", "logger")
+CAPTURE = ("drafter.aux_layers", "drafter.num_aux")
 
 
 def cache_key(overrides: list[str]) -> str:
-    changes = sorted(o for o in overrides if not o.startswith(CACHE_FREE) or o.startswith("drafter.aux_layers"))
+    changes = sorted(o for o in overrides if not o.startswith(CACHE_FREE) or o.startswith(CAPTURE))
     return hashlib.sha256(json.dumps(changes).encode()).hexdigest()[:12] if changes else "shared"
 
 

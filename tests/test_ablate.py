@@ -25,7 +25,7 @@ def test_rows_share_a_hidden_state_cache_unless_they_change_what_it_holds():
     key = ablate_module().cache_key
     assert key([]) == key(["trainer.lr=3e-4"]) == key(["drafter.ttt_steps=3", "drafter.loss=tv"]) == "shared"
     assert key(["data.max_samples=500"]) not in ("shared", key(["data.regenerate=false"]))
-    assert key(["drafter.aux_layers=[1,2,3]"]) != "shared"
+    assert key(["drafter.aux_layers=[1,2,3]"]) != "shared" and key(["drafter.num_aux=1"]) != "shared"
     assert key(["seed=1", "trainer.lr=1"]) == key(["seed=1"])
 
 
