@@ -10,8 +10,11 @@ reading the target's hidden states from the offline cache: `training.dump` write
 and capture setting, and the rows that change neither share it. Then `serving.bench` with the
 file's `bench` overrides. Resumable: a row already in the table is kept, a finished training is
 benched without being rerun, an interrupted one resumes (`trainer.resume=auto`), a complete cache is
-reused, a failed row is tried again. Writes <out>/table.json and
-<out>/table.md.
+reused, a failed row is tried again. Writes <out>/table.json and <out>/table.md, and where rows
+measure real acceptance as they train (scripts/curves.yaml), their learning curves in
+<out>/curves.json and <out>/curves.png.
+
+    python scripts/ablate.py --config scripts/curves.yaml --out curves   # three families' curves
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from drafters.storage.writes import atomic_file  # noqa: E402
 # family or its capture layers) get a cache of their own (a wrong guess is refused by the cache's index)
 CACHE_FREE = ("trainer.", "drafter.", "logger")
 CAPTURE = ("drafter.aux_layers", "drafter.num_aux")
+# a row trains until its budget ends, evaluating only then, unless the plan says otherwise (curves.yaml)
+RUN_DEFAULTS = {"trainer.max_steps": 1000000, "trainer.eval_every": 1000000, "trainer.save_every": 50}
 
 
 def cache_key(overrides: list[str]) -> str:
@@ -64,8 +69,8 @@ def train_and_bench(name: str, overrides: list[str], plan: dict, out: str) -> di
     if not os.path.exists(trained):
         run("training.dump", [*train, f"hydra.run.dir={os.path.join(row_dir, 'dump')}"], os.path.join(row_dir, "dump.log"))
         began = time.perf_counter()
-        run("training.run", [*train, f"trainer.max_minutes={plan['minutes']}", "trainer.max_steps=1000000",
-                             "trainer.eval_every=1000000", "trainer.save_every=50", "trainer.resume=auto",
+        unset = [f"{key}={value}" for key, value in RUN_DEFAULTS.items() if not any(o.startswith(key + "=") for o in train)]
+        run("training.run", [*train, *unset, f"trainer.max_minutes={plan['minutes']}", "trainer.resume=auto",
                              f"hydra.run.dir={os.path.join(row_dir, 'train')}"], os.path.join(row_dir, "train.log"))
         write_json(trained, {"seconds": time.perf_counter() - began})
     with open(trained) as handle:
@@ -86,6 +91,45 @@ def train_and_bench(name: str, overrides: list[str], plan: dict, out: str) -> di
 def write_json(path: str, value: dict) -> None:
     with atomic_file(path, key="ablation table") as partial, open(partial, "w") as handle:
         json.dump(value, handle, indent=1)
+
+
+def curves(table: dict, out: str) -> dict:
+    """Each row's learning curve, where its trainer measured real acceptance (`eval/accept_len`:
+    the serving engine on held-out prompts, `trainer.eval_accept_prompts`) against the training
+    tokens it had seen, and the acceptance at which its chain breaks even: its bench's accept_len /
+    speed-up (the iteration's cost in plain steps), averaged over the sets. Writes curves.json and
+    curves.png in `out` when any row has a curve; returns the curves."""
+    found = {}
+    for name, row in table["rows"].items():
+        path = os.path.join(out, "rows", name, "train", "metrics.jsonl")
+        if "accept_len" not in row or not os.path.exists(path):
+            continue
+        with open(path) as handle:
+            points = [(r["train/tokens"], r["eval/accept_len"]) for r in map(json.loads, handle) if "eval/accept_len" in r]
+        if points:
+            even = sum(row["accept_len"][s] / row["speedup"][s] for s in row["accept_len"]) / len(row["accept_len"])
+            found[name] = {"tokens": [t for t, _ in points], "accept_len": [a for _, a in points], "break_even": even,
+                           "pays_from_tokens": next((t for t, a in points if a > even), None)}
+    if found:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, curve in found.items():
+            line, = ax.plot(curve["tokens"], curve["accept_len"], marker="o", label=name)
+            ax.axhline(curve["break_even"], color=line.get_color(), linestyle="--", linewidth=0.8)
+        ax.set(xscale="log", xlabel="training tokens", ylabel="measured tokens / target forward",
+               title=f"acceptance against training ({table['minutes']} min a row; dashed: break-even)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        with atomic_file(os.path.join(out, "curves.png"), key="learning curves") as partial:
+            fig.savefig(partial, dpi=100, format="png")
+        plt.close(fig)
+        write_json(os.path.join(out, "curves.json"), found)
+    return found
 
 
 def markdown(table: dict) -> str:
@@ -158,6 +202,7 @@ def main() -> int:
         with atomic_file(os.path.join(out, "table.md"), key="ablation table") as partial, open(partial, "w") as handle:
             handle.write(markdown(table))
     print(markdown(table))
+    curves(table, out)
     return 1 if any("error" in row for row in table["rows"].values()) else 0
 
 

@@ -46,6 +46,8 @@ def test_each_row_is_trained_benched_and_tabled_once(tmp_path):
     plan = {"minutes": 0.1,
             "train": ["drafter=eagle3", "target=tiny_llama", "logger=none", "data.max_samples=40", "data.max_length=160",
                       "trainer.batch_size=2", "trainer.eval_max_samples=8", "trainer.warmup_steps=2",
+                      # real acceptance every 2 steps: each row's learning curve (the plan's eval_every wins)
+                      "trainer.eval_every=2", "trainer.eval_accept_prompts=2", "trainer.eval_accept_tokens=8",
                       f"cache_dir={tmp_path / 'cache'}"],
             "bench": ["prompts=mtbench", "n=2", "max_new_tokens=8", "draft=chain", "steps=2"],
             "rows": {"baseline": [], "fewer": ["data.max_samples=30"], "broken": ["drafter.loss=nope"]}}
@@ -68,6 +70,14 @@ def test_each_row_is_trained_benched_and_tabled_once(tmp_path):
     assert sorted(os.listdir(out / "hidden")) == sorted(["shared", ablate_module().cache_key(["data.max_samples=30"])])
     markdown = (out / "table.md").read_text()
     assert all(f"| {name} |" in markdown for name in plan["rows"])
+    curves = json.loads((out / "curves.json").read_text())
+    assert sorted(curves) == ["baseline", "fewer"] and (out / "curves.png").stat().st_size > 0
+    for name, curve in curves.items():
+        row, tokens = table["rows"][name], curve["tokens"]
+        assert len(tokens) >= 2 and tokens == sorted(set(tokens))  # every 2 steps, and the last
+        assert all(1 <= a <= 8 for a in curve["accept_len"])
+        assert curve["break_even"] == pytest.approx(row["accept_len"]["mtbench"] / row["speedup"]["mtbench"])
+        assert curve["pays_from_tokens"] == next((t for t, a in zip(tokens, curve["accept_len"]) if a > curve["break_even"]), None)
 
     trained = (out / "rows" / "baseline" / "trained.json").stat().st_mtime_ns
     again = subprocess.run([*command, "--rows", "baseline", "fewer"], cwd=tmp_path, capture_output=True, text=True,

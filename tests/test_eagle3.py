@@ -8,7 +8,7 @@ from conftest import assert_lossless_on_smollm2, compose_train
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
-from drafters.layers import draft_layer_config, ttt_attention, ttt_attention_merged
+from drafters.layers import UnrolledAttention, draft_layer_config, ttt_attention, ttt_attention_merged
 from drafters.target.model import full_attention_rope
 from drafters.target.vocab import build_draft_vocab
 
@@ -207,3 +207,43 @@ def test_smollm2_capture_and_teacher(smollm2_target):
 def test_smollm2_tree_is_lossless_in_float32(smollm2_fp32_target):
     """EAGLE-2's dynamic tree under an EAGLE-3 head on the real SmolLM2-135M: the greedy output is plain decoding's."""
     assert_lossless_on_smollm2(smollm2_fp32_target, "eagle3", dict(draft="tree", depth=4, topk=4, total=16))
+
+
+def test_fc_norm_makes_the_fused_feature_blind_to_each_states_scale(tiny_target):
+    """`drafter.fc_norm` (EAGLE 3.1) norms each target state before fc: scaling one state by a
+    constant leaves the draft input as it was; without the norms it moves."""
+    vocab = random_vocab(tiny_target.spec.vocab_size, 512)
+    generator = torch.Generator().manual_seed(2)
+    aux = [torch.randn(1, 5, tiny_target.spec.hidden_size, generator=generator) for _ in range(3)]
+    scaled = [aux[0] * 7.0, *aux[1:]]
+    for fc_norm in (True, False):
+        torch.manual_seed(0)
+        drafter = build_drafter(compose_train(["target=tiny_llama", f"drafter.fc_norm={fc_norm}"]).drafter, tiny_target, vocab)
+        assert len(drafter.fc_norm) == (3 if fc_norm else 0)
+        same = torch.allclose(drafter.fuse(aux), drafter.fuse(scaled), atol=1e-5)
+        assert same == fc_norm
+        assert ("fc_norm.0.weight" in drafter.state_dict()) == fc_norm
+
+
+def test_layer_warm_start_computes_the_targets_last_layer(tiny_target, tiny_gemma3_target):
+    """`drafter.init_layer_from_target`: at the start the draft layer is the target's last decoder
+    layer applied to the feature (the embedding half of its attention input is zero), and fc picks
+    the highest target state; a target whose last layer is not Llama-shaped is refused."""
+    vocab = random_vocab(tiny_target.spec.vocab_size, 512)
+    cfg = compose_train(["target=tiny_llama", "drafter.init_layer_from_target=true"]).drafter
+    drafter = build_drafter(cfg, tiny_target, vocab)
+    generator = torch.Generator().manual_seed(4)
+    aux = [torch.randn(1, 6, tiny_target.spec.hidden_size, generator=generator) for _ in range(3)]
+    feature = drafter.fuse(aux)
+    torch.testing.assert_close(feature, aux[-1])
+    tokens = torch.randint(0, tiny_target.spec.vocab_size, (1, 6), generator=generator)
+    positions = torch.arange(6).unsqueeze(0)
+    cos, sin = drafter.rotary(feature, positions)
+    with torch.no_grad():
+        ours = drafter.midlayer(drafter.embed_tokens(tokens), feature, cos, sin, UnrolledAttention())
+        theirs = tiny_target.decoder_layers[-1](feature, position_embeddings=(cos, sin), position_ids=positions)
+    torch.testing.assert_close(ours, theirs[0] if isinstance(theirs, tuple) else theirs, atol=1e-5, rtol=1e-4)
+    gemma_vocab = random_vocab(tiny_gemma3_target.spec.vocab_size, 256)
+    gemma_cfg = compose_train(["target=tiny_llama", "drafter.init_layer_from_target=true"]).drafter
+    with pytest.raises(UserError, match="drafter.init_layer_from_target: the last layer of target .* is not a Llama layer"):
+        build_drafter(gemma_cfg, tiny_gemma3_target, gemma_vocab)

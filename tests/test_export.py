@@ -153,6 +153,28 @@ def test_round_trip_through_other_formats_is_bitwise(checkpoint, tiny_target, tm
     assert torch.equal(draft_logits(str(tmp_path / "back"), tiny_target), draft_logits(checkpoint, tiny_target))
 
 
+def test_fc_norm_heads_go_through_speculators_and_not_sglang(checkpoint, tiny_target, tmp_path):
+    """`drafter.fc_norm` (EAGLE 3.1): speculators' flag of that name and its `fc_norm.{i}` weights
+    round-trip bitwise; SGLang's EAGLE-3 computes no such norm, so format=sglang refuses the head."""
+    def add_norms(weights):
+        generator = torch.Generator().manual_seed(3)
+        for i in range(3):
+            weights[f"fc_norm.{i}.weight"] = 1 + torch.rand(weights["norm.weight"].shape, generator=generator)
+
+    normed = edited_copy(checkpoint, tmp_path / "normed", weights=add_norms,
+                         state=lambda s: s["hparams"].update(fc_norm=True))
+    assert not torch.equal(draft_logits(normed, tiny_target), draft_logits(checkpoint, tiny_target))
+    run_export(checkpoint=normed, format="speculators", out=tmp_path / "spec", verifier="org/tiny-llama")
+    config, weights = files(tmp_path / "spec")
+    assert config["fc_norm"] is True and {f"fc_norm.{i}.weight" for i in range(3)} <= weights.keys()
+    run_export(checkpoint=tmp_path / "spec", format="native", target="tiny_llama", out=tmp_path / "back")
+    assert files(tmp_path / "back")[0]["hparams"]["fc_norm"] is True
+    assert torch.equal(draft_logits(str(tmp_path / "back"), tiny_target), draft_logits(normed, tiny_target))
+    with pytest.raises(UserError, match="format=sglang: SGLang's EAGLE-3 has no norm on the target states"):
+        run_export(checkpoint=normed, format="sglang", out=tmp_path / "sglang")
+    assert not (tmp_path / "sglang").exists()
+
+
 def test_import_specforge_layout_with_its_aux_layers(checkpoint, tiny_target, tmp_path):
     """A SpecForge/SGLang head that picked its own aux layers ("output of layer k" [0, 3, 6])."""
     run_export(checkpoint=checkpoint, format="sglang", out=tmp_path / "sglang")

@@ -249,6 +249,55 @@ def test_time_budget_stops_a_run_that_falls_behind(monkeypatch):
     assert step < settled and clock.now <= 300.0 + 40.0
 
 
+def test_a_measured_evaluation_replans_the_run(monkeypatch):
+    """An evaluation that measures real acceptance costs far more than the estimate: once one has
+    run, its time re-plans the steps left (evaluations every 50 steps and one at the end included)."""
+    budget, rate, clock = budget_for(monkeypatch, minutes=20, max_steps=1000)
+    for step, now in ((1, 15.0), (2, 25.0)):
+        clock.now = now
+        budget.after_step(step)
+    settled = rate.total
+    for step in range(3, 51):
+        clock.now += 10.0
+        budget.after_step(step)
+    clock.now += 60.0  # the evaluation at step 50: 60 s, where 7 s were estimated
+    budget.after_eval(50, 60.0)
+    assert rate.total < settled and rate.budgeted
+
+    def rest(total):  # the steps after 50 and the evaluations at 100, 150, ... and at the end
+        return (total - 50) * 10.0 + (total // 50 - 1 + 1) * 60.0
+
+    left = 1200.0 - clock.now
+    assert rest(rate.total) <= left < rest(rate.total + 1)
+    replanned = rate.total
+    budget.after_eval(replanned, 60.0)  # the final one changes nothing
+    assert rate.total == replanned
+
+
+def test_a_run_slowed_by_a_busy_spell_grows_back_once_steps_are_fast_again(monkeypatch):
+    """Re-planning after each evaluation uses the steps timed since the previous one: a run whose
+    steps took 3x longer for a while (another job on the machine) is shortened, then lengthened
+    again once they are fast, and the rest always fits in what is left."""
+    budget, rate, clock = budget_for(monkeypatch, minutes=60, max_steps=1000)
+    for step, now in ((1, 15.0), (2, 25.0)):
+        clock.now = now
+        budget.after_step(step)
+    settled = rate.total
+    lengths, mark = [], (1, 15.0)  # step times are measured from the end of the first step
+    for seconds, steps in ((30.0, range(3, 51)), (10.0, range(51, 101))):  # busy, then quiet
+        for step in steps:
+            clock.now += seconds
+            budget.after_step(step)
+        measured = (clock.now - mark[1]) / (step - mark[0])
+        clock.now += 7.0
+        budget.after_eval(step, 7.0)
+        mark = (step, clock.now)
+        lengths.append(rate.total)
+        rest = (rate.total - step) * measured + (rate.total // 50 - step // 50 + 1) * 7.0
+        assert rest <= 3600.0 - clock.now < rest + measured
+    assert lengths[0] < settled and lengths[1] > lengths[0]
+
+
 def test_a_resumed_run_keeps_its_budgeted_length_or_takes_a_new_max_steps(monkeypatch):
     _, rate, _ = warmed_up(monkeypatch)
     settled = rate.total

@@ -36,6 +36,8 @@ def test_run_dir_layout_metrics_plots_and_wandb(tmp_path):
     assert {"train/loss", "perf/tokens_per_s", *(f"train/acc/{k}" for k in range(1, 8))} <= train_keys
     evals = [r for r in logged if "eval/sim_accept_len" in r]
     assert [r["step"] for r in evals] == [2, 4]
+    seen = {r["step"]: r["train/tokens"] for r in logged if "train/loss" in r}  # cumulative: a curve's axis
+    assert 0 < seen[1] < seen[2] < seen[3] < seen[4] and all(r["train/tokens"] == seen[r["step"]] for r in evals)
     assert {"eval/loss", "eval/vocab_coverage", *(f"eval/acc/{k}" for k in range(1, 8))} <= set(evals[0])
     # the expected tokens per forward of a 7-draft chain with these per-position acceptances
     acc = [evals[-1][f"eval/acc/{k}"] for k in range(1, 8)]
@@ -82,6 +84,8 @@ def test_sigkill_while_saving_then_resume_is_bitwise_identical(tmp_path):
         assert final[name].equal(expected[name]), name
     steps = [r["step"] for r in records(interrupted) if "train/loss" in r]
     assert steps == list(range(1, 17)), "metrics after resume must continue without duplicates"
+    tokens = {run: [r["train/tokens"] for r in records(run) if "train/loss" in r] for run in (reference, interrupted)}
+    assert tokens[interrupted] == tokens[reference]  # a resumed run counts the tokens trained before it
     leftovers = [name for name in os.listdir(interrupted / "checkpoints") if ".partial-" in name or ".old-" in name]
     assert not leftovers, leftovers
 
@@ -125,3 +129,32 @@ def test_metrics_are_detached_scalars_the_step_never_reads(name, tiny_target):
     assert loss.requires_grad and "acc/1" in metrics
     for key, value in metrics.items():
         assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad, key
+
+
+def test_length_grouped_batches_cover_each_epoch_with_far_less_padding():
+    """`trainer.group_by_length`: every epoch still trains on each sequence once, in a seeded order
+    of its own, and the batches pad far less than random ones; off, the order is the plain seeded
+    permutation it always was (a run's batches, and so its losses, unchanged)."""
+    from omegaconf import OmegaConf
+
+    from training.trainer import BatchOrder
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 512, (1000,), generator=generator).tolist()
+
+    def order(group, world=1, seed=0):
+        cfg = OmegaConf.create({"seed": seed, "trainer": {"batch_size": 4, "grad_accum": 2, "group_by_length": group}})
+        return BatchOrder(cfg, lengths, world)
+
+    def padding(batches):
+        micro = [batches.indices(step, m, rank) for step in range(125) for m in range(2) for rank in range(batches.world)]
+        return sum(max(lengths[i] for i in b) * len(b) for b in micro) / sum(lengths[i] for b in micro for i in b)
+
+    plain, grouped = order(False), order(True)
+    assert plain.epoch(0) == torch.randperm(1000, generator=torch.Generator().manual_seed(0)).tolist()
+    for batches in (plain, grouped, order(True, world=2)):
+        assert sorted(batches.epoch(0)) == list(range(1000)) and sorted(batches.epoch(1)) == list(range(1000))
+        assert batches.epoch(0) != batches.epoch(1)
+    assert grouped.epoch(0) == order(True).epoch(0) != order(True, seed=1).epoch(0)
+    assert padding(plain) > 1.3 and padding(grouped) < 1.05 and padding(order(True, world=2)) < 1.05
+    assert grouped.tokens(3) == sum(lengths[i] for m in range(2) for i in grouped.indices(3, m, 0))

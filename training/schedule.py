@@ -54,9 +54,12 @@ def make_schedule(cfg: DictConfig, optimizer) -> tuple[LambdaLR, LearningRate]:
 class TimeBudget:
     """`trainer.max_minutes` of wall time for the training loop (evaluations and checkpoints
     included). At the end of the warm-up the run's length becomes the steps that fit in what is
-    left at the measured step time (never more than `max_steps`); should the run still fall behind,
-    it ends at the first step after which another one would not fit. Without a budget the run is
-    `max_steps` long, as set. The main process decides; the others follow it."""
+    left at the measured step time (never more than `max_steps`). After each evaluation the rest is
+    planned again from that evaluation's measured time and the steps timed since the previous one,
+    longer or shorter: measuring real acceptance costs far more than estimated, and on a shared
+    machine a busy spell must not cut a run for good. Should the run fall behind anyway, it ends at
+    the first step after which another one would not fit. Without a budget the run is `max_steps`
+    long, as set. The main process decides; the others follow it."""
 
     def __init__(self, cfg: DictConfig, accelerator, rate: LearningRate, start_step: int):
         minutes = cfg.trainer.get("max_minutes")
@@ -67,25 +70,32 @@ class TimeBudget:
         self.began = time.perf_counter()
         self.settle_at = max(MIN_TIMED_STEPS, min(cfg.trainer.warmup_steps, cfg.trainer.max_steps))
         self.start_step = start_step
-        self.first_step_done: float | None = None
+        self.mark: tuple[int, float] | None = None  # (step, time) the step time is measured from
+        self.last_step: tuple[int, float] | None = None
+        self.eval_seconds: float | None = None  # the last evaluation's, once one has run
         if self.seconds is not None and rate.budgeted:
             # a resumed run keeps the length its budget allowed (restored with the scheduler)
             rate.total = min(rate.total, cfg.trainer.max_steps)
         else:
             rate.total = cfg.trainer.max_steps
 
+    def step_seconds(self) -> float | None:
+        if self.mark is None or self.last_step is None or self.last_step[0] <= self.mark[0]:
+            return None
+        return (self.last_step[1] - self.mark[1]) / (self.last_step[0] - self.mark[0])
+
     def after_step(self, done: int) -> None:
         """Called after each optimizer step `done` (1-based): may settle or shorten the run."""
         if self.seconds is None:
             return
         now = time.perf_counter()
-        if done == self.start_step + 1:
-            self.first_step_done = now
+        self.last_step = (done, now)
+        if done == self.start_step + 1:  # timed from its end: the first step includes one-off start-up
+            self.mark = (done, now)
             return
-        timed = done - self.start_step - 1
-        if self.first_step_done is None or timed < 1:
+        step_seconds = self.step_seconds()
+        if step_seconds is None:
             return
-        step_seconds = (now - self.first_step_done) / timed
         elapsed = now - self.began
         if done == self.settle_at and self.start_step < self.settle_at:
             total = self.agreed(self.steps_that_fit(done, elapsed, step_seconds))
@@ -98,9 +108,25 @@ class TimeBudget:
                      elapsed / 60, done, self.rate.total)
             self.rate.total, self.rate.budgeted = done, True
 
+    def after_eval(self, done: int, seconds: float) -> None:
+        """Called after the evaluation at step `done` took `seconds`: plans the rest again."""
+        self.eval_seconds = seconds
+        step_seconds = self.step_seconds()
+        settled = done >= self.settle_at or self.start_step >= self.settle_at
+        if self.seconds is not None and step_seconds is not None and settled and done < self.rate.total:
+            total = self.agreed(self.steps_that_fit(done, time.perf_counter() - self.began, step_seconds))
+            if total != self.rate.total:
+                log.info("time budget %g min: %.2f s per step lately and %.0f s an evaluation, so %d steps, not %d",
+                         self.seconds / 60, step_seconds, seconds, total, self.rate.total)
+                self.rate.total, self.rate.budgeted = total, True
+        if self.last_step is not None:
+            self.mark = (done, time.perf_counter())  # the next step time is measured from here
+
     def steps_that_fit(self, done: int, elapsed: float, step_seconds: float) -> int:
         trainer = self.cfg.trainer
-        eval_seconds = math.ceil(trainer.eval_max_samples / trainer.batch_size) * step_seconds * EVAL_BATCH_SHARE
+        eval_seconds = self.eval_seconds
+        if eval_seconds is None:
+            eval_seconds = math.ceil(trainer.eval_max_samples / trainer.batch_size) * step_seconds * EVAL_BATCH_SHARE
         # n more steps cost n * step_seconds, plus an evaluation every eval_every steps and at the end
         left = self.seconds - elapsed
         fits = done

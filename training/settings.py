@@ -19,6 +19,7 @@ class Trainer:
     max_minutes: float | None = above(0)
     batch_size: int = at_least(1)
     grad_accum: int = at_least(1)
+    group_by_length: bool = anything()
     lr: float = at_least(0)  # 0: the weights stay as they start (a check of init_from)
     weight_decay: float = at_least(0)
     warmup_steps: int = at_least(0)

@@ -46,7 +46,9 @@ class TargetSpec:
         return asdict(self)
 
 
-FEW_ROWS = 16  # up to this many rows (tokens) in one product: a decoding or verification forward
+# up to this many rows (tokens) in one product: decoding, verifying a chain or a tree, a regeneration
+# batch (measured faster weight-first at every count from 2 to 128 rows: docs/serving.md)
+FEW_ROWS = 128
 
 
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

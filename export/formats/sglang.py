@@ -9,6 +9,7 @@ convention. No embedding is written: SGLang gives the draft model the target's.
 
 from __future__ import annotations
 
+from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
 from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, register
@@ -19,6 +20,9 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def write(saved: SavedDrafter, directory: str) -> None:
+    if saved.hparams.get("fc_norm"):
+        raise UserError("format=sglang: SGLang's EAGLE-3 has no norm on the target states before fc "
+                        "(drafter.fc_norm): use format=speculators or native")
     config = {
         "architectures": [ARCHITECTURE],
         **llama_fields(saved),

@@ -2,11 +2,11 @@
 
 Norm flags, against speculators' Eagle3DraftModel (models/eagle3/core.py, model_definitions.py):
 our layer (drafters/eagle3.py) norms the token embedding and the fused feature before attention
-but keeps the *raw* feature as the residual (norm_before_residual=False), applies no norm to the
-aux states before `fc`, neither one over their concatenation (norm_before_fc=False) nor one per
-state (fc_norm=False), and feeds the layer's pre-norm output back between draft steps
-(norm_output=False). vLLM assumes norm_before_residual=True when the key is missing, so all four
-are always written.
+but keeps the *raw* feature as the residual (norm_before_residual=False), applies no norm over the
+concatenated aux states before `fc` (norm_before_fc=False), one per state only with
+`drafter.fc_norm` (fc_norm, weights `fc_norm.{i}.weight` as theirs), and feeds the layer's
+pre-norm output back between draft steps (norm_output=False). vLLM assumes
+norm_before_residual=True when the key is missing, so all four are always written.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from drafters.storage.artifact import SavedDrafter, write_files
 from export.formats import Format, ImportFor, register
 from export.formats.eagle3 import check_layer_config, imported, llama_fields, read_weight_files
 
-NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "norm_output": False}  # and fc_norm: ours
 OURS, THEIRS = "midlayer.", "layers.0."  # the draft decoder layer's weight prefix
 
 
@@ -57,6 +57,7 @@ def write(saved: SavedDrafter, directory: str) -> None:
         "draft_vocab_size": saved.hparams["draft_vocab_size"],
         "eagle_aux_hidden_state_layer_ids": saved.hparams["aux_layers"],  # same convention as ours
         **NORM_FLAGS,
+        "fc_norm": bool(saved.hparams.get("fc_norm")),
         "target_hidden_size": saved.verifier["hidden_size"],
         "transformer_layer_config": llama_fields(saved),
         "speculators_config": speculators_config(saved, "eagle3", saved.proposal["steps"]),
@@ -78,7 +79,7 @@ def read(path: str, config: dict, context: ImportFor) -> SavedDrafter:
     aux_layers = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(context.target.spec.num_layers)
     return imported(path, renamed(read_weight_files(path), THEIRS, OURS), list(aux_layers),
                     config.get("draft_vocab_size", 32000),  # speculators' default
-                    context, **proposal_of(config))
+                    context, **proposal_of(config), hparams={"fc_norm": bool(config.get("fc_norm", False))})
 
 
 register(Format("speculators", "eagle3", write=write, recognizes=recognizes, read=read))
