@@ -92,7 +92,7 @@ class Eagle(StepDrafter):
         feature_loss = F.smooth_l1_loss(predicted, feature[:, 1:][rows].float(), reduction="none").mean(-1)
         feature_loss = feature_loss.sum() / rows.sum().clamp(min=1)
         teacher = torch.softmax(captured.teacher_logits[:, 1:][rows].float(), -1)
-        token_loss, accuracy = distill(self.lm_head(predicted), teacher, captured.teacher_token[:, 1:][rows],
+        token_loss, accuracy = distill(self.draft_logits(predicted), teacher, captured.teacher_token[:, 1:][rows],
                                        self.cfg.get("loss", "soft_ce"))
         total = float(self.cfg.feature_weight) * feature_loss + float(self.cfg.token_weight) * token_loss
         return total, {"acc/1": accuracy, "loss/feature": feature_loss.detach(), "loss/token": token_loss.detach()}
@@ -100,5 +100,7 @@ class Eagle(StepDrafter):
     # ---- serving (StepDrafter): one extrapolation step per call, keys/values kept in a DraftCache
 
     def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
-        feature = self.extrapolate(tokens, feature, positions, cache.attention(mask))
-        return feature, self.lm_head(feature)
+        return self.extrapolate(tokens, feature, positions, cache.attention(mask))
+
+    def draft_logits(self, feature):
+        return self.lm_head(feature)

@@ -121,14 +121,16 @@ class Eagle3(StepDrafter):
         unroll = curriculum(int(self.cfg.ttt_steps), self.cfg.get("ttt_start"), self.progress)
         weights = [float(self.cfg.loss_decay) ** k for k in range(unroll)]
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights, step,
-                                head=lambda feature: self.lm_head(self.norm(feature)), kind=self.cfg.get("loss", "soft_ce"))
+                                head=self.draft_logits, kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the same layer, run incrementally over a DraftCache (see StepDrafter)
 
     def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
         cos, sin = self.rotary(feature, positions)
-        feature = self.midlayer(self.embed_tokens(tokens), feature, cos, sin, cache.attention(mask))
-        return feature, self.lm_head(self.norm(feature))
+        return self.midlayer(self.embed_tokens(tokens), feature, cos, sin, cache.attention(mask))
+
+    def draft_logits(self, feature):
+        return self.lm_head(self.norm(feature))
 
 
 def default_aux_layers(num_layers: int) -> list[int]:

@@ -204,7 +204,7 @@ class GemmaMTP(StepDrafter):
         attend = self.target_attention(keys, values, causal=True)
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights,
                                 step=lambda k, tokens, activation: self.assist(tokens, activation, cos, sin, attend),
-                                head=self.lm_head, kind=self.cfg.get("loss", "soft_ce"))
+                                head=self.draft_logits, kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the engine's StepDrafter loop, over the target's cache
 
@@ -217,12 +217,15 @@ class GemmaMTP(StepDrafter):
     def extend(self, cache: TargetContext, aux: list[torch.Tensor], next_tokens: torch.Tensor):
         """The context entries are the target's own: count them, and draft from the last one."""
         cache.length += next_tokens.shape[1]
-        return self.step(cache, next_tokens[:, -1:], self.fuse([state[:, -1:] for state in aux]))
+        feature = self.step(cache, next_tokens[:, -1:], self.fuse([state[:, -1:] for state in aux]))
+        return feature, self.draft_logits(feature)
 
     def step(self, cache: TargetContext, tokens, feature, positions=None, mask=None):
         # StepDrafter's positions and tree mask are moot: every query sits at the last committed token's
         # position and sees the committed context only (tree nodes never see each other)
         keys, values = cache.keys_values()
         cos, sin = full_attention_rope(self.rotary, feature, torch.full_like(tokens, cache.length))
-        feature = self.assist(tokens, feature, cos, sin, self.target_attention(keys, values, causal=False))
-        return feature, self.lm_head(feature)
+        return self.assist(tokens, feature, cos, sin, self.target_attention(keys, values, causal=False))
+
+    def draft_logits(self, feature):
+        return self.lm_head(feature)

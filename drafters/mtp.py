@@ -149,10 +149,12 @@ class MTP(StepDrafter):
         weights = normalized_decay(float(self.cfg.loss_decay), int(self.cfg.ttt_steps))
         return unrolled_distill(batch, captured, self.fuse(captured.aux), weights,
                                 step=lambda k, tokens, hidden: self.predict(tokens, hidden, positions + k, attend),
-                                head=lambda hidden: self.lm_head(self.norm(hidden)), kind=self.cfg.get("loss", "soft_ce"))
+                                head=self.draft_logits, kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the same block, run incrementally over a DraftCache (see StepDrafter)
 
     def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
-        feature = self.predict(tokens, feature, positions, cache.attention(mask))
-        return feature, self.lm_head(self.norm(feature))
+        return self.predict(tokens, feature, positions, cache.attention(mask))
+
+    def draft_logits(self, feature):
+        return self.lm_head(self.norm(feature))

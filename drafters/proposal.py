@@ -2,8 +2,9 @@
 
 - `StepDrafter`: one token per drafter forward, its own feature fed back (EAGLE-3, EAGLE-1, MTP):
   context extension, chain and EAGLE-2 tree proposal over a DraftCache. A subclass provides
-  `fuse(aux)` (target features -> its input feature) and
-  `step(cache, tokens, feature, positions, mask) -> (feature, draft logits)`.
+  `fuse(aux)` (target features -> its input feature),
+  `step(cache, tokens, feature, positions, mask) -> feature` and `draft_logits(feature)`, apart so
+  that a context extension computes logits for its last entry only.
 - `ParallelDrafter`: every position ahead from one forward (Medusa's heads, DFlash's block):
   `extend` returns logits [B, K, V_draft] for the K tokens after the bonus token, and chains and
   trees are built from those fixed per-position distributions.
@@ -29,9 +30,13 @@ class StepDrafter(Drafter):
     def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def step(self, cache: DraftCache, tokens, feature, positions, mask=None):
+    def step(self, cache: DraftCache, tokens, feature, positions, mask=None) -> torch.Tensor:
         """One forward over `tokens` [B, T] with input `feature` [B, T, H] at `positions`, appending
-        to `cache` (causal, or `mask` [T, cache + T] for tree nodes)."""
+        to `cache` (causal, or `mask` [T, cache + T] for tree nodes); returns its features [B, T, H]."""
+        raise NotImplementedError
+
+    def draft_logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """Draft logits [..., V_draft] from the features `step` returned."""
         raise NotImplementedError
 
     def new_cache(self, target_cache=None) -> DraftCache:
@@ -45,8 +50,8 @@ class StepDrafter(Drafter):
     def extend(self, cache: DraftCache, aux: list[torch.Tensor], next_tokens: torch.Tensor):
         """Add context entries for target positions cache.length.. : the fused target features at t
         with the token committed at t+1. Returns the last entry's (feature, draft logits)."""
-        feature, logits = self.step(cache, next_tokens, self.fuse(aux), self.positions(cache.length, next_tokens))
-        return feature[:, -1:], logits[:, -1:]
+        feature = self.step(cache, next_tokens, self.fuse(aux), self.positions(cache.length, next_tokens))[:, -1:]
+        return feature, self.draft_logits(feature)
 
     @torch.no_grad()
     def propose_chain(self, cache: DraftCache, feature, logits, steps: int, draw=None, stop=None):
@@ -67,7 +72,8 @@ class StepDrafter(Drafter):
                 confidences.append(float(dist.amax()))
             if i + 1 == steps or (stop and stop(confidences)):
                 break
-            feature, logits = self.step(cache, token[:, None], feature, self.positions(cache.length, token[:, None]))
+            feature = self.step(cache, token[:, None], feature, self.positions(cache.length, token[:, None]))
+            logits = self.draft_logits(feature)
         dists = torch.stack(dists, 1)
         return torch.stack(tokens, 1), dists, dists.amax(-1)
 
@@ -106,7 +112,8 @@ class StepDrafter(Drafter):
                               sees[torch.tensor(frontier, device=device)][:, torch.tensor(cached + frontier, device=device)]], 1)
             tokens = torch.cat(node_tokens)[torch.tensor(frontier, device=device) - 1]
             positions = torch.full((1, len(frontier)), context + level - 1, device=device)
-            features, step_logits = self.step(cache, (tokens + self.d2t[tokens])[None], frontier_features, positions, mask)
+            features = self.step(cache, (tokens + self.d2t[tokens])[None], frontier_features, positions, mask)
+            step_logits = self.draft_logits(features)
             cached += frontier
             child_scores, child_drafts, dists = children(step_logits[0])
             if draw:

@@ -88,6 +88,16 @@ def train_and_bench(name: str, overrides: list[str], plan: dict, out: str) -> di
             "speedup": {set_name: result["speedup"] for set_name, result in bench.items()}}
 
 
+def machine() -> str:
+    """The kind of machine a row's budget buys its training on, e.g. `AMD EPYC, CPU AVX2, no native bf16`."""
+    import torch
+
+    from drafters.target import precision
+
+    hardware = precision.probe("cuda" if torch.cuda.is_available() else "cpu")
+    return f"{hardware.name}, {hardware.device.upper()} {hardware.capability}, {'native' if hardware.native_bf16 else 'no native'} bf16"
+
+
 def write_json(path: str, value: dict) -> None:
     with atomic_file(path, key="ablation table") as partial, open(partial, "w") as handle:
         json.dump(value, handle, indent=1)
@@ -134,7 +144,7 @@ def curves(table: dict, out: str) -> dict:
 
 def markdown(table: dict) -> str:
     sets = next((list(row["accept_len"]) for row in table["rows"].values() if "accept_len" in row), [])
-    lines = [f"Budget {table['minutes']} min a row; `train`: `{' '.join(table['train'])}`; `bench`: "
+    lines = [f"Budget {table['minutes']} min a row on {table['machine']}; `train`: `{' '.join(table['train'])}`; `bench`: "
              f"`{' '.join(table['bench'])}`.", "",
              "| row | overrides | steps | train min | sim accept | acc@1 | " + " | ".join(sets) + " | mean |",
              "|---|---|---|---|---|---|" + "---|" * (len(sets) + 1)]
@@ -186,7 +196,12 @@ def main() -> int:
         print(f"error: {path} holds rows trained for {table['minutes']} min, not {plan['minutes']}: "
               "give another --out", file=sys.stderr)
         return 2
-    table.update(minutes=plan["minutes"], train=plan["train"], bench=plan["bench"])
+    here = machine()
+    if table.get("machine", here) != here:  # a wall-clock budget buys different training on another machine
+        print(f"error: {path} holds rows measured on {table['machine']}, not on this {here}: give another --out",
+              file=sys.stderr)
+        return 2
+    table.update(minutes=plan["minutes"], machine=here, train=plan["train"], bench=plan["bench"])
     began, todo = time.perf_counter(), [name for name in names if "accept_len" not in table["rows"].get(name, {})]
     for number, name in enumerate(todo, 1):
         per_row = (time.perf_counter() - began) / max(number - 1, 1)

@@ -28,8 +28,8 @@ def describe(config: dict) -> str:
     if config["draft"] == "tree":
         tree = config["tree"]
         return f"tree {tree['depth']}/{tree['topk']}/{tree['total_tokens']}"
-    if config.get("verify_cost"):
-        return f"chain {config['steps']}, cost-scheduled"
+    if config.get("schedule") == "auto":
+        return f"{config['draft']} {config['steps']}, schedule=auto"
     scheduled = config.get("min_confidence") or 0
     return f"chain {config['steps']}" + (f", conf >= {scheduled}" if scheduled else "")
 

@@ -13,9 +13,11 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from drafters.config.errors import UserError, command
 from drafters.config.settings import check
+from drafters.proposal import StepDrafter
 from drafters.storage.writes import atomic_file, check_destination, check_writable
 from serving.settings import Bench
 
@@ -71,18 +73,30 @@ def weights_read(model: torch.nn.Module, run) -> int:
     return total
 
 
-def alpha_floor(target, drafter, ids, steps: int) -> float:
-    """A head draft's memory-traffic floor relative to a target forward: the weight bytes the head
-    reads per draft (context extension included, as `alpha` counts it) over those one target
-    forward reads, over one chain of `steps` drafts at a time. Decoding at batch 1 is bound by
-    reading the weights, so `alpha / alpha_floor` is how far a draft step is from what it must cost."""
+def alpha_floor(target, drafter, ids, steps: int) -> dict[str, float | None]:
+    """A head's memory-traffic floor relative to a target forward: the weight bytes the head reads
+    over those one target forward reads. `draft`: per draft over chains of `steps` drafts, context
+    extension included (as `alpha` counts it); `step`: one drafter forward after the extension (as
+    `alpha_step` counts it; None for drafters that draft everything in one forward). Decoding at
+    batch 1 is bound by reading the weights, so alpha / floor is how far drafting is from what it
+    must cost."""
     from serving.engine import generate_plain, generate_spec
 
     plain, spec = [], []  # the runs' Stats
     target_bytes = weights_read(target.model, lambda: plain.append(generate_plain(target, ids, 8, set())[1]))
+    per_forward = target_bytes / plain[0].target_forwards
     head_bytes = weights_read(drafter, lambda: spec.append(
         generate_spec(target, drafter, ids, 8, set(), draft="chain", steps=steps)[1]))
-    return (head_bytes / spec[0].head_drafted) / (target_bytes / plain[0].target_forwards)
+    floor = {"draft": (head_bytes / spec[0].head_drafted) / per_forward, "step": None}
+    if isinstance(drafter, StepDrafter):
+        cache = DynamicCache()
+        aux, _ = target.capture(ids, None, drafter.capture_layers(), cache=cache)
+        state = drafter.new_cache(cache)
+        feature, _ = drafter.extend(state, aux, ids)  # the context's tokens do not change what is read
+        token = ids[:, -1:]
+        floor["step"] = weights_read(drafter, lambda: drafter.draft_logits(
+            drafter.step(state, token, feature, drafter.positions(state.length, token)))) / per_forward
+    return floor
 
 
 def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
@@ -93,6 +107,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
     eos = {target.tokenizer.eos_token_id}
     totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
               "drafting_s": 0.0, "verify_forward_s": 0.0, "bookkeeping_s": 0.0, "head_drafted": 0,
+              "head_extend_s": 0.0, "head_extensions": 0, "head_extended": 0, "head_step_s": 0.0, "head_steps": 0,
               **{f"{kind}_{what}": 0 for kind in ("lookup", "hf_plain") for what in ("s", "tokens", "forwards")}}
     proposed, accepted, outcomes, gaps = [], [], [], []
     plain_sampler = sampler(cfg)
@@ -118,7 +133,8 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         totals["spec_s"] += spec_stats.seconds
         totals["spec_tokens"] += spec_stats.new_tokens
         totals["forwards"] += spec_stats.target_forwards
-        for key in ("drafting_s", "verify_forward_s", "bookkeeping_s", "head_drafted"):
+        for key in ("drafting_s", "verify_forward_s", "bookkeeping_s", "head_drafted", "head_extend_s",
+                    "head_extensions", "head_extended", "head_step_s", "head_steps"):
             totals[key] += getattr(spec_stats, key)
         for k, (p, a) in enumerate(zip(spec_stats.proposed_by_pos, spec_stats.accepted_by_pos)):
             if k == len(proposed):
@@ -133,6 +149,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
             if gap is not None:
                 gaps.append(round(gap, 4))
     plain_rate = totals["plain_tokens"] / totals["plain_s"]
+    plain_forward_s = 1 / plain_rate
     iterations = max(totals["forwards"] - len(prompts), 1)  # verification forwards (prefills aside)
     spec_rate = totals["spec_tokens"] / totals["spec_s"]
     result = {
@@ -150,10 +167,16 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         # per speculative iteration (one verification forward each), in milliseconds
         "ms_per_iteration": {key.removesuffix("_s"): 1000 * totals[key] / iterations
                              for key in ("drafting_s", "verify_forward_s", "bookkeeping_s")},
-        # alpha: one head draft's cost relative to a plain target forward (our plain loop's per token),
-        # over the drafts the head computed (verified or cut)
-        "alpha": (totals["drafting_s"] / totals["head_drafted"]) / (totals["plain_s"] / totals["plain_tokens"])
+        # relative to a plain target forward (our plain loop's time per token): alpha, the head's time
+        # (extensions and steps, n-gram lookups aside) per draft it computed (verified or cut);
+        # alpha_step, one drafter forward after the extension
+        "alpha": (totals["head_extend_s"] + totals["head_step_s"]) / totals["head_drafted"] / plain_forward_s
         if totals["head_drafted"] else None,
+        "alpha_step": totals["head_step_s"] / totals["head_steps"] / plain_forward_s if totals["head_steps"] else None,
+        # the lazy context extensions: how many entries each added, and what each cost
+        "extension": {"tokens_per_call": totals["head_extended"] / totals["head_extensions"],
+                      "ms_per_call": 1000 * totals["head_extend_s"] / totals["head_extensions"]}
+        if totals["head_extensions"] else None,
         "new_tokens_spec": totals["spec_tokens"],
         "new_tokens_plain": totals["plain_tokens"],
     }
@@ -229,18 +252,21 @@ def main(cfg: DictConfig) -> None:
         "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": chosen.name, "dtype_requested": cfg.dtype,
                    "draft": cfg.draft, "schedule": cfg.schedule,
                    "steps": cfg.steps, "min_confidence": cfg.min_confidence,
-                   "verify_cost": options["verify_cost"],
+                   "verify_cost": options["schedule"] and options["schedule"].measured,
                    "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
                    "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
                    "prompt_lookup_tokens": cfg.prompt_lookup_tokens, "hf_plain": cfg.hf_plain,
                    "ngram": OmegaConf.to_container(cfg.ngram)},
         "hardware": chosen.hardware.to_dict(),
-        "alpha_floor": floor,
+        "alpha_floor": floor and floor["draft"],
+        "alpha_step_floor": floor and floor["step"],
         "datasets": {},
     }
     for name, prompts in sets.items():
         results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg, options)
-        result["alpha_over_floor"] = result["alpha"] / floor if result["alpha"] and floor else None
+        result["alpha_over_floor"] = result["alpha"] / floor["draft"] if result["alpha"] and floor else None
+        result["alpha_step_over_floor"] = (result["alpha_step"] / floor["step"]
+                                           if result["alpha_step"] and floor and floor["step"] else None)
         same = (f"identical {result['identical']:.0%}, unexplained divergences {result['unexplained_divergences']}"
                 if result["identical"] is not None else "sampled (outputs not compared)")
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from drafters.base import greedy_draw
+from drafters.proposal import StepDrafter
 from kernels import compact_kv_caches, greedy_verify, rejection_verify, tree_ancestors
 from serving.ngram import NgramDrafts, merge
 from serving.schedule import AutoSchedule
@@ -74,6 +75,11 @@ class Stats:
     margins: list[float] = field(default_factory=list)  # plain decoding: top-1 minus top-2 logit per token
     # where a speculative loop's time goes, summed over its iterations (prefill excluded)
     drafting_s: float = 0.0  # the head's context extension and draft steps, n-gram lookups
+    head_extend_s: float = 0.0  # of drafting_s: the head's context extensions, lazy (when it drafts next)
+    head_extensions: int = 0
+    head_extended: int = 0  # context entries they added
+    head_step_s: float = 0.0  # of drafting_s: the head's drafter forwards after its extension
+    head_steps: int = 0  # those forwards (a chain's drafts after its first, a tree's levels after its first)
     verify_forward_s: float = 0.0  # the target's verification forwards (lm_head included)
     bookkeeping_s: float = 0.0  # tree mask, verify kernel, cache compaction, committing tokens
     head_drafts: int = 0  # drafts of the head verified
@@ -122,17 +128,11 @@ def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: s
     return tokens, stats
 
 
-def scheduled_length(confidence: torch.Tensor, min_confidence: float = 0.0, verify_cost: list[float] | None = None) -> int:
+def scheduled_length(confidence: torch.Tensor, min_confidence: float = 0.0) -> int:
     """How many of a chain's drafts to verify, from their confidences [K] (each the drafter's estimate
     that the draft is accepted once the ones before it are): all of them; with `min_confidence`, the
-    prefix whose running product stays at or above it; with `verify_cost` (seconds of a target
-    forward over n tokens at index n), the prefix that maximizes expected tokens per second,
-    (1 + sum_i prod_{j<=i} confidence_j) / verify_cost[k + 1]. At least one."""
+    prefix whose running product stays at or above it (at least one)."""
     survive = confidence.float().cumprod(0)  # the estimated chance that drafts 1..i all survive
-    if verify_cost:
-        expected = 1 + survive.cumsum(0)  # committed tokens, bonus included, verifying drafts 1..k
-        seconds = torch.tensor(verify_cost[2 : len(survive) + 2], dtype=torch.float32)
-        return int((expected[: len(seconds)] / seconds).argmax()) + 1
     if min_confidence > 0:
         return max(int((survive >= min_confidence).sum()), 1)
     return len(survive)
@@ -141,8 +141,8 @@ def scheduled_length(confidence: torch.Tensor, min_confidence: float = 0.0, veri
 @torch.no_grad()
 def measure_verify_cost(target, layers: list[int], most: int, context: int = 128, repeats: int = 5) -> list[float]:
     """Seconds of one verification forward over n = 1..`most` tokens after `context` cached ones
-    (index n; index 0 is 0): the step-cost model of cost-scheduled verification, measured once at
-    start-up, interleaved across n, median of `repeats`."""
+    (index n; index 0 is 0): what `schedule=auto` starts its cost model from (serving/schedule.py),
+    measured once at start-up, interleaved across n, median of `repeats`."""
     cache = DynamicCache()
     target.capture(torch.ones(1, context, dtype=torch.long, device=target.device), None, layers, cache=cache)
     times: list[list[float]] = [[] for _ in range(most + 1)]
@@ -171,7 +171,7 @@ class NgramOptions:
 @torch.no_grad()
 def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], *,
                   draft: str = "chain", steps: int = 7, min_confidence: float = 0.0, depth: int = 6, topk: int = 8,
-                  total: int = 48, sampler: Sampler = GREEDY, verify_cost: list[float] | None = None,
+                  total: int = 48, sampler: Sampler = GREEDY,
                   ngram: NgramOptions = NgramOptions(), schedule: AutoSchedule | None = None,
                   earlier: NgramDrafts | None = None):
     """Speculative decoding.
@@ -179,8 +179,7 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     draft="chain" (or a block drafter's block): up to `steps` drafts per target forward;
     `min_confidence` > 0 turns on confidence-scheduled verification: only the prefix whose running
     product of confidences (DSpark: its confidence head; the others: their top draft probability)
-    stays at or above it is verified (at least one draft); with `verify_cost` (measure_verify_cost)
-    the prefix with the most expected tokens per second (`scheduled_length`). Confidences depend on
+    stays at or above it is verified (at least one draft; `scheduled_length`). Confidences depend on
     the drafts before a position, never on its own draft, so sampling stays exact.
     draft="tree": an EAGLE-2 dynamic tree (`depth` levels, `topk` expansions per level, the
     `total` best nodes verified at once under a tree attention mask); when sampling, each expanded
@@ -238,10 +237,14 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             drafted = time.perf_counter()
             aux_context = [torch.cat(parts, 1) for parts in zip(*(a for a, _ in pending))]
             feature, logits = head.extend(draft_cache, aux_context, torch.cat([t for _, t in pending], 1))
+            extension = aux_context[0].shape[1]
+            stats.head_extensions += 1
+            stats.head_extended += extension
             pending, extended = [], time.perf_counter()
             if proposal == "tree":
                 drafts, parents, node_dists = head.propose_tree(draft_cache, feature, logits, head_drafts, topk, total,
                                                                 None if sampler.greedy else sampler.draw)
+                steps_run = head_drafts - 1  # one forward per level below the first
                 stats.head_drafted += len(drafts)
             else:  # a drafter may offer fewer (Medusa: one per head)
                 stop = (lambda confidences: planner.stop(confidences, len(found))) if planner else None
@@ -251,7 +254,7 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
                 stats.head_drafted += drafts.shape[1]
                 confidences = confidence[0].tolist()
                 keep = (planner.cut(confidences, len(found)) if planner
-                        else scheduled_length(confidence[0], min_confidence, verify_cost))
+                        else scheduled_length(confidence[0], min_confidence))
                 drafts, parents, confidences = drafts[0, :keep], torch.arange(keep, device=device), confidences[:keep]
                 node_dists = F.pad(dists[0, :keep], (0, 0, 0, 1))  # node i's child came from dists[i]; the last has none
             draft_cache.crop(length)  # drop the drafter's speculative entries
@@ -259,6 +262,9 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
                 draft_probs = torch.zeros(1, len(drafts) + 1, target.spec.vocab_size, device=device)
                 draft_probs[0, :, head.vocab.draft_ids.to(device)] = node_dists
             head_drafts, proposed = len(drafts), time.perf_counter()
+            stats.head_extend_s += extended - drafted
+            stats.head_step_s += proposed - extended
+            stats.head_steps += steps_run if isinstance(head, StepDrafter) else 0  # else: one forward drafted all
             head_chain = drafts.tolist()
             stats.head_drafts += head_drafts
         if found:
@@ -302,7 +308,7 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             planner.record_forward(candidates.shape[1], verified - verifying)
             if head_ran:
                 planner.record_head(confidences, common_prefix(head_chain, new), extended - drafted,
-                                    (proposed - extended) / steps_run if steps_run else None)
+                                    (proposed - extended) / steps_run if steps_run else None, extension)
             if found:
                 planner.record_ngram(match, len(found), common_prefix(found, new))
         # the accepted path's target entries move to contiguous positions; the rest is dropped

@@ -32,6 +32,11 @@ LONGEST_PROBE_INTERVAL = 64  # iterations between probes of a head that does not
 # a forward with drafts must promise this much more than a plain step: the estimates are noisy,
 # and a head that barely pays on paper measured 3-5% slower than plain decoding
 MARGIN = 0.05
+# a drafting call's seconds are learned from calls whose context extension added at most this many
+# entries, what a head that drafts at every forward extends by (one forward's committed tokens);
+# a longer catch-up (the prompt, or the tokens since the head last ran) is paid once, and counting
+# it as the cost of every call made a head that ran rarely look too slow to ever run more often
+STEADY_EXTENSION = 16
 
 
 @dataclass
@@ -175,13 +180,14 @@ class AutoSchedule:
         return keep
 
     def record_head(self, confidences: list[float], accepted: int, call_seconds: float,
-                    step_seconds: float | None) -> None:
-        """The head ran: its verified drafts' confidences, how many were accepted, its seconds. A run
-        whose every draft was cut counts as a first draft rejected: a head too unsure to verify
-        stops being run, like one that is wrong."""
+                    step_seconds: float | None, extended: int = 1) -> None:
+        """The head ran: its verified drafts' confidences, how many were accepted, its seconds (the
+        call's context extension added `extended` entries). A run whose every draft was cut counts
+        as a first draft rejected: a head too unsure to verify stops being run, like one that is wrong."""
         self.head.record(max(len(confidences), 1), accepted)
         self.calibration.record(confidences, accepted)
-        self.head_call = _average(self.head_call, call_seconds)
+        if extended <= STEADY_EXTENSION:
+            self.head_call = _average(self.head_call, call_seconds)
         if step_seconds is not None:
             self.head_step = _average(self.head_step, step_seconds)
         if self.probing:  # an accepted probe is a count for the estimates, not a verdict

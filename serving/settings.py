@@ -35,7 +35,6 @@ class Decoding:
     draft: str = one_of("chain", "tree", "ngram", "hybrid")
     steps: int = at_least(1)
     min_confidence: float = between(0, 1)
-    cost_schedule: bool = anything()
     schedule: str = one_of("fixed", "auto")
     depth: int = at_least(1)
     topk: int = at_least(1)
@@ -81,9 +80,9 @@ def check_options(cfg: DictConfig) -> None:
         raise UserError(f"ngram.shortest={cfg.ngram.shortest} is above ngram.longest={cfg.ngram.longest}")
     if cfg.schedule == "auto" and _tree(cfg):
         raise UserError("schedule=auto schedules chains: pass draft=chain | ngram | hybrid with ngram.head=chain")
-    if cfg.schedule == "auto" and (cfg.cost_schedule or cfg.min_confidence > 0):
-        key = "cost_schedule=true" if cfg.cost_schedule else f"min_confidence={cfg.min_confidence}"
-        raise UserError(f"{key} is for schedule=fixed: schedule=auto chooses how many drafts to verify itself")
+    if cfg.schedule == "auto" and cfg.min_confidence > 0:
+        raise UserError(f"min_confidence={cfg.min_confidence} is for schedule=fixed: schedule=auto chooses how many "
+                        "drafts to verify itself")
 
 
 def _tree(cfg: DictConfig) -> bool:
@@ -91,7 +90,7 @@ def _tree(cfg: DictConfig) -> bool:
 
 
 def spec_options(cfg: DictConfig, target, drafter) -> dict:
-    """generate_spec's keyword arguments from a serve/bench config (`cost_schedule` measures the
+    """generate_spec's keyword arguments from a serve/bench config (`schedule=auto` measures the
     target's verification cost here, once)."""
     from serving.engine import NgramOptions, measure_verify_cost
     from serving.ngram import NgramDrafts
@@ -103,12 +102,10 @@ def spec_options(cfg: DictConfig, target, drafter) -> dict:
     # the engine never drafts past max_new_tokens
     most = min(cfg.steps + (cfg.ngram.length if cfg.schedule == "auto" else 0), cfg.max_new_tokens) + 1
     layers = [] if cfg.draft == "ngram" else drafter.capture_layers()
-    measure = cfg.cost_schedule or cfg.schedule == "auto"
-    verify_cost = measure_verify_cost(target, layers, most) if measure else None
+    schedule = AutoSchedule(measure_verify_cost(target, layers, most), cfg.steps) if cfg.schedule == "auto" else None
     ngram = OmegaConf.to_container(cfg.ngram)
     earlier = ngram.pop("earlier")
     return dict(draft=cfg.draft, steps=cfg.steps, min_confidence=cfg.min_confidence, depth=cfg.depth, topk=cfg.topk,
-                total=cfg.total_tokens, sampler=sampler(cfg), verify_cost=verify_cost,
-                schedule=AutoSchedule(verify_cost, cfg.steps) if cfg.schedule == "auto" else None,
+                total=cfg.total_tokens, sampler=sampler(cfg), schedule=schedule,
                 ngram=NgramOptions(**ngram),
                 earlier=NgramDrafts([], ngram["shortest"], ngram["longest"]) if earlier else None)

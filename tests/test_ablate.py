@@ -86,3 +86,9 @@ def test_each_row_is_trained_benched_and_tabled_once(tmp_path):
     assert "[1/" not in again.stdout  # nothing left to run
     assert (out / "rows" / "baseline" / "trained.json").stat().st_mtime_ns == trained
     assert json.loads((out / "table.json").read_text()) == table
+
+    # rows measured on another kind of machine are not mixed in: their budget bought other training
+    (out / "table.json").write_text(json.dumps({**table, "machine": "another machine"}))
+    elsewhere = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert elsewhere.returncode == 2 and "on another machine, not on this" in elsewhere.stderr
+    assert len(elsewhere.stderr.strip().splitlines()) == 1

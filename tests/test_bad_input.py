@@ -234,7 +234,6 @@ CASES = [
     ("export_over_a_target_model", "export.run", ["checkpoint={run}/checkpoints/latest", "out={root}/model_dir", "overwrite=true"], "holds a model with its tokenizer, not a drafter artifact"),
     ("dflash_block_past_max_length", "training.run", ["drafter=dflash", "drafter.block_size=10000"], "drafter.block_size=10000: must be <= data.max_length=128"),
     ("data_not_a_regular_file", "training.run", ["data.path=/dev/null"], "data file is not a regular file: /dev/null"),
-    ("serve_auto_schedule_with_cost_schedule", "serving.run", ["artifact={root}/artifact", "schedule=auto", "cost_schedule=true"], "cost_schedule=true is for schedule=fixed"),
     ("bench_auto_schedule_with_min_confidence", "serving.bench", ["artifact={root}/artifact", "schedule=auto", "min_confidence=0.5", "out={tmp}/b.json"], "min_confidence=0.5 is for schedule=fixed"),
     ("launch_nodes_on_loopback", "training.launch", ["launch.nodes=2", "distributed=ddp", "launch.dry_run=true"], "launch.main_address=127.0.0.1: with launch.nodes=2, pass node 0's address"),
     ("seed_negative", "training.run", ["seed=-5"], "seed=-5: must be >= 0"),

@@ -106,30 +106,24 @@ def test_tree_accepting_a_later_branch_compacts_the_cache(tiny_target, plain_out
     assert stats.accept_len >= 4.0  # 4 drafts + the bonus per forward (1 + 7 x 5 tokens, cut at 32)
 
 
-def test_scheduled_length_threshold_and_cost_model():
+def test_scheduled_length_threshold():
     from serving.engine import scheduled_length
 
     confidence = torch.tensor([0.9, 0.8, 0.5, 0.9])  # running product .9 .72 .36 .324
     assert scheduled_length(confidence) == 4
     assert scheduled_length(confidence, min_confidence=0.7) == 2
     assert scheduled_length(confidence, min_confidence=0.99) == 1  # never fewer than one draft
-    # expected tokens 1.9, 2.62, 2.98, 3.304 for k = 1..4 drafts, verified over k + 1 tokens
-    flat = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert scheduled_length(confidence, verify_cost=flat) == 4  # extra tokens are free: verify all
-    steep = [0.0, 1.0, 1.0, 1.5, 2.0, 2.5]  # 1.9/1.0, 2.62/1.5, 2.98/2.0, 3.304/2.5
-    assert scheduled_length(confidence, verify_cost=steep) == 1
-    mild = [0.0, 1.0, 1.0, 1.1, 1.3, 1.6]  # 1.9, 2.38, 2.29, 2.07
-    assert scheduled_length(confidence, verify_cost=mild) == 2
 
 
-def test_cost_scheduled_chain_is_lossless_and_cost_is_measured(tiny_target, plain_outputs):
+def test_auto_schedule_on_measured_costs_is_lossless(tiny_target, plain_outputs):
     from serving.engine import measure_verify_cost
+    from serving.schedule import AutoSchedule
 
     drafter = head_for(tiny_target, 2048)
     cost = measure_verify_cost(tiny_target, drafter.capture_layers(), 8, context=16, repeats=2)
     assert len(cost) == 9 and cost[0] == 0.0 and all(seconds > 0 for seconds in cost[1:])
-    eos = {tiny_target.tokenizer.eos_token_id}
+    eos, schedule = {tiny_target.tokenizer.eos_token_id}, AutoSchedule(cost, steps=7)
     for text, (plain, _) in plain_outputs.items():
         ids = chat_ids(tiny_target, text)
-        spec, _ = generate_spec(tiny_target, drafter, ids, 32, eos, steps=7, verify_cost=cost)
+        spec, _ = generate_spec(tiny_target, drafter, ids, 32, eos, steps=7, schedule=schedule)
         assert spec == plain

@@ -86,7 +86,7 @@ def test_a_training_step_is_a_serving_step(gemma):
             context = drafter.new_cache(cache)
             feature, _ = drafter.extend(context, aux, ids[:, 1 : t + 2])
             for k in range(1, steps):
-                feature, _ = drafter.step(context, ids[:, t + 1 + k : t + 2 + k], feature)
+                feature = drafter.step(context, ids[:, t + 1 + k : t + 2 + k], feature)
             assert context.length == t + 1  # drafting wrote nothing
             for k in range(steps):
                 torch.testing.assert_close(outputs[outputs_before + k][0, -1], outputs[k][0, t], msg=f"step {k}, t {t}")

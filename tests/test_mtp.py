@@ -165,7 +165,7 @@ def test_training_unrolls_what_serving_runs(llama):
             cache = DraftCache()
             feature, _ = drafter.extend(cache, [state[:, : t + 1] for state in captured.aux], ids[:, 1 : t + 2])
             for k in range(1, steps):
-                feature, _ = drafter.step(cache, ids[:, t + 1 + k : t + 2 + k], feature, drafter.positions(cache.length, ids[:, :1]))
+                feature = drafter.step(cache, ids[:, t + 1 + k : t + 2 + k], feature, drafter.positions(cache.length, ids[:, :1]))
             for k in range(steps):
                 torch.testing.assert_close(outputs[-steps + k][0, -1], outputs[k][0, t], msg=f"step {k}, t {t}")
     finally:

@@ -171,6 +171,20 @@ def test_auto_schedule_verifies_the_head_drafts_its_calibrated_confidences_pay_f
     assert not schedule.stop([0.9, 0.9], 0) and schedule.stop([0.9, 0.2], 0)
 
 
+def test_auto_schedule_learns_a_call_cost_from_steady_extensions_not_catch_ups():
+    """The first call of a prompt extends over the whole prompt, and a head that ran rarely catches
+    up on every token since: counted as what each call costs, that made a useful head look too slow
+    to run (measured: MT-bench, the long head drafted in 14% of forwards)."""
+    schedule = AutoSchedule(COST, steps=4)
+    for _ in range(10):
+        schedule.plan(True, 0, match=0)
+        schedule.record_head([0.9] * 4, 4, call_seconds=0.01, step_seconds=0.01, extended=5)
+        schedule.plan(True, 0, match=0)
+        schedule.record_head([0.9] * 4, 4, call_seconds=10.0, step_seconds=0.01, extended=200)
+    assert schedule.head_call == pytest.approx(0.01)
+    assert schedule.plan(True, 0, match=0) == (4, 0)
+
+
 def test_auto_schedule_with_one_source_when_sampling():
     schedule = AutoSchedule(COST, steps=4)
     for _ in range(20):

@@ -97,6 +97,10 @@ def test_bench_json_interface(checkpoint, tmp_path):
     assert entry["speedup_over_prompt_lookup"] == pytest.approx(entry["tokens_per_s_spec"] / lookup_rate)
     assert (tmp_path / "res.png").exists()
     assert 0 < report["alpha_floor"] < 2 and entry["alpha_over_floor"] > 0
+    # a draft step skips the extension's fc over the target's features: it reads less than a draft does
+    assert 0 < report["alpha_step_floor"] < report["alpha_floor"] and entry["alpha_step_over_floor"] > 0
+    # one lazy extension per verification forward (a fixed chain drafts at every one), the first over the prompt
+    assert entry["extension"]["tokens_per_call"] > 1
 
 
 def test_weights_read_counts_each_call_and_only_gathered_embedding_rows():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import compose_train
-from drafters.target.model import FEW_ROWS, FewRowsLinear, cache_root, converted_gguf, load_target, project, resolve_path
+from drafters.target.model import (FEW_ROWS, FewRowsLinear, cache_root, converted_gguf, fast_rows, load_target, project,
+                                   resolve_path)
 
 
 @pytest.mark.slow
@@ -28,7 +29,7 @@ def test_converted_gguf_holds_the_ggufs_weights_and_tokenizer():
     assert target.tokenizer.chat_template == tokenizer.chat_template
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS, FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 15, 27, FEW_ROWS, FEW_ROWS + 1])
 def test_a_few_rows_are_multiplied_weight_first_to_the_same_product(rows):
     torch.manual_seed(0)
     weight, x = torch.randn(300, 64), torch.randn(1, rows, 64)
@@ -39,6 +40,12 @@ def test_a_few_rows_are_multiplied_weight_first_to_the_same_product(rows):
     linear.__class__ = FewRowsLinear
     torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(project(x.bfloat16(), weight.bfloat16()), x.bfloat16() @ weight.bfloat16().T)  # other dtypes as before
+
+
+def test_few_rows_are_padded_up_to_the_next_fast_count_and_never_past_the_bound():
+    padded = [fast_rows(rows) for rows in range(1, FEW_ROWS + 1)]
+    assert padded[:16] == [2, 2, 4, 4, 5, 6, 8, 8, 9, 16, 16, 16, 16, 16, 16, 16]
+    assert all(rows <= fast <= FEW_ROWS and fast - rows < 8 for rows, fast in enumerate(padded, 1))
 
 
 def test_the_targets_linear_layers_take_the_few_rows_path(tiny_target):
