@@ -89,13 +89,15 @@ def train_and_bench(name: str, overrides: list[str], plan: dict, out: str) -> di
 
 
 def machine() -> str:
-    """The kind of machine a row's budget buys its training on, e.g. `AMD EPYC, CPU AVX2, no native bf16`."""
+    """The kind of machine a row's budget buys its training on, e.g. `AMD EPYC, CPU AVX2, no native bf16,
+    1 thread` (OMP_NUM_THREADS=1 keeps other work on the second core from slowing a row down)."""
     import torch
 
     from drafters.target import precision
 
     hardware = precision.probe("cuda" if torch.cuda.is_available() else "cpu")
-    return f"{hardware.name}, {hardware.device.upper()} {hardware.capability}, {'native' if hardware.native_bf16 else 'no native'} bf16"
+    return (f"{hardware.name}, {hardware.device.upper()} {hardware.capability}, {'native' if hardware.native_bf16 else 'no native'} "
+            f"bf16, {hardware.threads} thread{'s' if hardware.threads > 1 else ''}")
 
 
 def write_json(path: str, value: dict) -> None:

@@ -102,6 +102,7 @@ def test_dry_run_renders_a_multi_node_plan_and_starts_nothing(tmp_path, capsys):
     (["distributed=zero2", "launch.processes_per_node=2", "distributed.deepspeed.train_micro_batch_size_per_gpu=8"],
      "leave it auto"),
     (["distributed=zero2"], "distributed=zero2 on CPU needs 2 or more processes"),
+    (["distributed=zero2", "launch.processes_per_node=2", "trainer.optimizer=muon"], "trainer.optimizer=muon: distributed=zero2"),
 ])
 def test_what_cannot_run_still_renders_then_is_refused_in_one_line(tmp_path, capsys, overrides, fragment):
     result = plan(tmp_path, capsys, "target=tiny_llama", *overrides)

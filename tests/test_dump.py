@@ -1,4 +1,4 @@
-"""The offline hidden-state cache (`python -m training.dump`, `data.hidden_states=offline`) on the
+"""The offline hidden-state cache (`python -m training.dump`, `data.hidden_states=offline|cached`) on the
 tiny random target: it reproduces the online teacher, resumes after a kill without rewriting
 finished shards, dumps data-parallel, and refuses a cache made for another run."""
 
@@ -105,6 +105,30 @@ def test_offline_training_and_its_one_line_refusal(caches, tmp_path, capsys):
     refused = run_cli("training.run", [*run[3:], "drafter.aux_layers=[1,2,3]", f"hydra.run.dir={tmp_path / 'stale'}"],
                       capsys)
     one_line_error(refused, "is stale", "layers=[2, 4, 5]", "layers=[1, 2, 3]")
+
+
+def test_a_cached_run_writes_the_cache_once_then_trains_as_offline(caches, tmp_path):
+    """data.hidden_states=cached: the first run dumps (the same shards as training.dump) and trains,
+    a second one only reads, and both train the weights an offline run trains from the dump."""
+    reference = Path(caches["bf16"][0].data.cache.dir)
+    directory = tmp_path / "cache"
+    steps = ["trainer.max_steps=2", "trainer.eval_every=100"]
+
+    def train(run, mode, cache):
+        result = subprocess.run([sys.executable, "-m", "training.run", *settings(cache, f"data.hidden_states={mode}", *steps),
+                                 f"hydra.run.dir={tmp_path / run}"], cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"},
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr, load_file(tmp_path / run / "checkpoints" / "step-2" / "model.safetensors")
+
+    log, first = train("first", "cached", directory)
+    assert "wrote 11 shards, skipped 0" in log and hidden_cache.read_index(str(directory))["complete"]
+    assert_same_shards(directory, reference)
+    written = shard_state(directory)
+    log, second = train("second", "cached", directory)
+    assert "wrote 0 shards, skipped 11" in log and shard_state(directory) == written
+    _, offline = train("offline", "offline", reference)
+    assert all(first[name].equal(offline[name]) and second[name].equal(offline[name]) for name in offline)
 
 
 def shard_state(directory):

@@ -207,11 +207,11 @@ class Clock:
         return self.now
 
 
-def budget_for(monkeypatch, minutes, max_steps=100, warmup=2, rate=None, start_step=0):
+def budget_for(monkeypatch, minutes, max_steps=100, warmup=2, rate=None, start_step=0, doubling=False):
     clock = Clock()
     monkeypatch.setattr(schedule.time, "perf_counter", clock)
     cfg = OmegaConf.create({"trainer": {"max_minutes": minutes, "max_steps": max_steps, "warmup_steps": warmup,
-                                        "eval_every": 50, "eval_max_samples": 8, "batch_size": 4,
+                                        "eval_every": 50, "eval_doubling": doubling, "eval_max_samples": 8, "batch_size": 4,
                                         "schedule": "cosine", "min_lr_ratio": 0.1}})
     rate = rate or schedule.LearningRate(warmup, max_steps, 0.1, True)
     return schedule.TimeBudget(cfg, SimpleNamespace(num_processes=1), rate, start_step), rate, clock
@@ -272,6 +272,26 @@ def test_a_measured_evaluation_replans_the_run(monkeypatch):
     replanned = rate.total
     budget.after_eval(replanned, 60.0)  # the final one changes nothing
     assert rate.total == replanned
+
+
+def test_doubling_evaluations_come_at_eval_every_times_powers_of_two_and_leave_more_steps(monkeypatch):
+    doubling, every = (OmegaConf.create({"eval_every": 25, "eval_doubling": d}) for d in (True, False))
+    assert [step for step in range(1, 1000) if schedule.eval_due(step, doubling)] == [25, 50, 100, 200, 400, 800]
+    assert [step for step in range(1, 101) if schedule.eval_due(step, every)] == [25, 50, 75, 100]
+    totals = {}
+    for kind in (True, False):  # a one-hour run at 10 s a step whose evaluation at step 50 took 60 s
+        budget, rate, clock = budget_for(monkeypatch, minutes=60, max_steps=1000, doubling=kind)
+        for step in range(1, 51):
+            clock.now = 5.0 + 10.0 * step
+            budget.after_step(step)
+        clock.now += 60.0
+        budget.after_eval(50, 60.0)
+        totals[kind] = rate.total
+    # the most steps whose time and evaluations (those due after step 50, and the final one) fit in what is left
+    for kind, due in ((False, lambda step: step % 50 == 0), (True, lambda step: step in (100, 200, 400, 800))):
+        cost = lambda total: (total - 50) * 10.0 + (1 + sum(map(due, range(51, total + 1)))) * 60.0  # noqa: E731
+        assert cost(totals[kind]) <= 3600.0 - 565.0 < cost(totals[kind] + 1)
+    assert totals[True] > totals[False]
 
 
 def test_a_run_slowed_by_a_busy_spell_grows_back_once_steps_are_fast_again(monkeypatch):

@@ -9,9 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAMILIES, ROOT, TINY_RUN, distilled_setup, kill_while_writing, random_drafter, records
+from conftest import (FAMILIES, ROOT, TINY_RUN, compose_train, distilled_setup, kill_while_writing, one_line_error,
+                      random_drafter, records)
 from drafters.base import capture
 from drafters.storage.artifact import read
+from training.schedule import make_optimizers
 
 
 def command(run_dir, *overrides):
@@ -88,6 +90,42 @@ def test_sigkill_while_saving_then_resume_is_bitwise_identical(tmp_path):
     assert tokens[interrupted] == tokens[reference]  # a resumed run counts the tokens trained before it
     leftovers = [name for name in os.listdir(interrupted / "checkpoints") if ".partial-" in name or ".old-" in name]
     assert not leftovers, leftovers
+
+
+def test_muon_orthogonalizes_the_hidden_matrices_and_leaves_the_head_to_adamw(tiny_target):
+    """trainer.optimizer=muon: after one step from rest, a hidden matrix moved by an orthogonalized
+    update (its leading singular values alike, where the gradient's span 50x) and the lm_head by
+    AdamW's first step (every entry by lr)."""
+    target, batch, vocab = distilled_setup(tiny_target)
+    drafter = random_drafter("eagle3", target, vocab)
+    optimizers = make_optimizers(compose_train(["target=tiny_llama", "trainer.optimizer=muon", "trainer.lr=1e-2"]), drafter)
+    assert [type(o).__name__ for o in optimizers] == ["Muon", "AdamW"]
+    before = {name: weight.detach().clone() for name, weight in drafter.named_parameters()}
+    drafter(batch, capture(target, vocab, batch, drafter.capture_layers()))[0].backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    moved = {name: weight.detach() - before[name] for name, weight in drafter.named_parameters()}
+    for name in ("fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"):
+        update = torch.linalg.svdvals(moved[name])[:12]
+        gradient = torch.linalg.svdvals(drafter.get_parameter(name).grad)[:12]
+        assert update[0] / update[-1] < 1.5 and gradient[0] / gradient[-1] > 10, (name, update, gradient)
+    head = moved["lm_head.weight"].abs()  # lr * |g| / (|g| + eps): lr but where a gradient is near eps
+    assert ((head - 1e-2).abs() < 1e-4).float().mean() > 0.95
+
+
+def test_a_muon_run_resumes_bitwise_and_refuses_another_optimizer(tmp_path):
+    settings = ["trainer.optimizer=muon", "trainer.schedule=constant", "trainer.warmup_steps=0", "trainer.eval_every=100",
+                "trainer.log_every=1", "logger=none"]
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    assert train(tmp_path / "whole", *settings, "trainer.max_steps=4", env=one_thread).returncode == 0
+    assert train(tmp_path / "cut", *settings, "trainer.max_steps=2", env=one_thread).returncode == 0
+    assert {"optimizer.bin", "optimizer_1.bin"} <= set(os.listdir(tmp_path / "cut" / "checkpoints" / "step-2"))
+    refused = train(tmp_path / "cut", *settings[1:], "trainer.max_steps=4", "trainer.resume=auto", env=one_thread)
+    one_line_error(refused, "trained with trainer.optimizer='muon', this run has trainer.optimizer='adamw'")
+    resumed = train(tmp_path / "cut", *settings, "trainer.max_steps=4", "trainer.resume=auto", env=one_thread)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final, expected = (load_file(tmp_path / run / "checkpoints" / "step-4" / "model.safetensors") for run in ("cut", "whole"))
+    assert all(final[name].equal(expected[name]) for name in expected)
 
 
 def test_multirun_sweep(tmp_path):

@@ -102,10 +102,10 @@ def read_state(path: str) -> TrainingState:
 
 
 def check_compatible(path: str, state: TrainingState, expected: dict) -> None:
-    """Refuse to resume a checkpoint made for another drafter, target or draft vocabulary."""
-    for field in ("drafter", "target", "target_fingerprint", "vocab_key"):
-        if getattr(state, field) != expected[field]:
-            raise UserError(
-                f"cannot resume from {path}: it was trained with {field}={getattr(state, field)!r}, "
-                f"this run has {field}={expected[field]!r}"
-            )
+    """Refuse to resume a checkpoint made for another drafter, target, draft vocabulary or optimizer."""
+    saved = {field: getattr(state, field) for field in ("drafter", "target", "target_fingerprint", "vocab_key")}
+    saved["trainer.optimizer"] = state.config.get("trainer", {}).get("optimizer", "adamw")  # older runs: AdamW
+    for field, value in saved.items():
+        if value != expected[field]:
+            raise UserError(f"cannot resume from {path}: it was trained with {field}={value!r}, "
+                            f"this run has {field}={expected[field]!r}")

@@ -71,6 +71,9 @@ def check_mode(cfg: DictConfig, device: str, world: int) -> None:
     if mode == "fsdp" and device == "cpu":
         raise UserError("distributed=fsdp needs GPUs: Accelerate enables FSDP only on CUDA/ROCm devices and would "
                         "train unsharded copies on CPU; use distributed=ddp, zero2 or zero3 here")
+    if mode not in ("none", "ddp") and cfg.trainer.optimizer == "muon":
+        raise UserError(f"trainer.optimizer=muon: distributed={mode} takes one optimizer over flattened or sharded "
+                        "weights, Muon needs whole matrices; use distributed=ddp (or none), or trainer.optimizer=adamw")
     if mode in ("zero3", "fsdp") and cfg.trainer.eval_accept_prompts > 0:
         raise UserError(f"trainer.eval_accept_prompts needs the whole drafter in each process, which distributed={mode} "
                         "shards: set it to 0 and measure acceptance on the checkpoint with serving.bench")

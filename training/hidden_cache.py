@@ -1,5 +1,6 @@
-"""The offline hidden-state cache: written once by `python -m training.dump`, read back by
-training with `data.hidden_states=offline` instead of running the target on every batch.
+"""The offline hidden-state cache: written once by `python -m training.dump` (or by a run with
+`data.hidden_states=cached`), read back by training with `data.hidden_states=offline` or `cached`
+instead of running the target on every batch.
 
     <dir>/index.json                       what the cache is for (target, layers, dtype, data hash),
                                            its shard size, and whether every shard is written
@@ -19,15 +20,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from functools import lru_cache
 
 import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from drafters.config.errors import UserError
-from drafters.storage.writes import atomic_file
+from drafters.storage import writes
+from drafters.storage.writes import atomic_file, check_creatable, remove_stale_partials
+from training import data
+
+log = logging.getLogger("training")
 
 FORMAT, VERSION = "specdraft-hidden-states", 1
 INDEX = "index.json"
@@ -175,3 +183,111 @@ class HiddenCache:
             final[row, teacher_positions(loss_mask[row].cpu())] = decode(values, scale, dtype)
         aux, final = aux.to(device), final.to(device)
         return [aux[:, :, k] for k in range(layers)], final
+
+
+def check_destination(directory: str) -> None:
+    """Refuse, before any work, a cache directory that is not safe to write or already holds other files."""
+    writes.check_destination(directory, key="data.cache.dir")
+    check_cache_dir(directory)
+
+
+def write(cfg: DictConfig, target, layers: list[int], train_set, eval_set, state) -> dict:
+    """Run the target over the data and write this process's missing shards of `data.cache.dir`
+    (`state`: Accelerate's process state; process r writes shards r, r + N, ...); returns how many
+    it wrote and skipped, and on the main process the finished cache's stats."""
+    # the shard size is part of what a resumed dump must agree on, not of what training checks
+    expected = {**identity(cfg, target, layers, train_set, eval_set),
+                "shard_sequences": int(cfg.data.cache.shard_sequences)}
+    directory = str(cfg.data.cache.dir)
+    if state.is_main_process:
+        begin(directory, expected)
+    state.wait_for_everyone()
+
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    datasets = {"train": train_set, "eval": eval_set}
+    mine = [(split, shard) for split, dataset in datasets.items()
+            for shard in range(state.process_index, shard_count(len(dataset), expected["shard_sequences"]), state.num_processes)]
+    written = skipped = 0
+    for split, shard in tqdm(mine, desc="dump", unit="shard", disable=not state.is_main_process, dynamic_ncols=True):
+        path = shard_path(directory, split, shard)
+        if os.path.exists(path):
+            skipped += 1
+            continue
+        write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path)
+        written += 1
+        log.info("dump: wrote %s", os.path.basename(path))
+    log.info("dump process %d: wrote %d shards, skipped %d complete ones", state.process_index, written, skipped)
+    state.wait_for_everyone()
+    stats = finish(directory, expected) if state.is_main_process else None
+    if stats:
+        log.info("dump complete in %s: %s", directory, stats)
+    return {"written": written, "skipped": skipped, "cache": stats}
+
+
+def check_cache_dir(directory: str) -> None:
+    """A cache goes into a directory of its own: one that holds no cache yet must be new or empty."""
+    check_creatable(directory, "data.cache.dir")
+    if not os.path.isdir(directory) or read_index(directory) is not None:
+        return
+    others = sorted(name for name in os.listdir(directory) if not name.startswith("."))
+    if others:
+        raise UserError(f"data.cache.dir {directory} holds other files ({', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''}): give a new or empty directory")
+
+
+def begin(directory: str, expected: dict) -> None:
+    """Start or continue a dump: a cache made for anything else is refused, never mixed in."""
+    os.makedirs(directory, exist_ok=True)
+    stored = read_index(directory)
+    if stored is None:
+        write_index(directory, {**expected, "complete": False})
+    else:
+        check_identity(directory, stored, expected)
+    remove_stale_partials(directory, every_name=True)  # shards a killed writer left half-written
+
+
+def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str) -> None:
+    per_shard, dtype = int(cache_cfg.shard_sequences), str(cache_cfg.dtype)
+    first = shard * per_shard
+    indices = list(range(first, min(first + per_shard, len(dataset))))
+    parts: dict[str, list] = {"aux": [], "final": [], "aux_scale": [], "final_scale": []}
+    lengths: dict[str, list] = {"aux": [], "final": []}
+    for start in range(0, len(indices), int(cache_cfg.batch_size)):
+        batch = {name: tensor.to(target.device) for name, tensor in
+                 data.collate([dataset[i] for i in indices[start : start + int(cache_cfg.batch_size)]], pad_id).items()}
+        aux, final = target.capture(batch["input_ids"], batch["attention_mask"], layers)
+        aux = torch.stack(aux, 2)  # [B, T, layers, H]
+        for row in range(len(aux)):
+            tokens = int(batch["attention_mask"][row].sum())
+            positions = teacher_positions(batch["loss_mask"][row, :tokens])
+            for name, vectors in (("aux", aux[row, :tokens]), ("final", final[row, positions])):
+                values, scale = encode(vectors, dtype)  # on the target's device
+                parts[name].append(values.cpu())
+                if scale is not None:
+                    parts[f"{name}_scale"].append(scale.cpu())
+                lengths[name].append(len(values))
+    tensors = {name: torch.cat(chunks) for name, chunks in parts.items() if chunks}
+    for name, counts in lengths.items():
+        tensors[f"{name}_offsets"] = torch.tensor([0, *counts]).cumsum(0)
+    with atomic_file(path, key="data.cache.dir") as partial:  # complete or absent: what a restart relies on
+        save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices))})
+
+
+def finish(directory: str, expected: dict) -> dict:
+    """Check every shard is there, then mark the index complete with the cache's size."""
+    shards = all_shards(directory, expected)
+    missing = [path for path in shards if not os.path.exists(path)]
+    if missing:
+        raise UserError(f"dump of {directory} is missing {len(missing)} shards (e.g. {missing[0]}): run it again")
+    tokens = teacher = 0
+    for path in shards:
+        with safe_open(path, framework="pt") as handle:
+            tokens += int(handle.get_tensor("aux_offsets")[-1])
+            teacher += int(handle.get_tensor("final_offsets")[-1])
+    size = sum(os.path.getsize(path) for path in shards)
+    # speculators stores [T, layers + 1, H] in bf16 for every token: the aux layers and the final state
+    speculators = (len(expected["layers"]) + 1) * expected["hidden_size"] * 2
+    stats = {"tokens": tokens, "teacher_positions": teacher, "bytes": size, "bytes_per_token": round(size / tokens, 1),
+             "speculators_bytes_per_token": speculators, "ratio_to_speculators": round(size / tokens / speculators, 3)}
+    write_index(directory, {**expected, "complete": True, "stats": stats})
+    return stats

@@ -1,5 +1,5 @@
-"""How long a run trains: the learning-rate schedule over its steps, and the time budget
-(`trainer.max_minutes`) that settles the number of steps from the measured step time."""
+"""How a run trains and for how long: its optimizers, the learning-rate schedule over its steps,
+and the time budget (`trainer.max_minutes`) that settles the number of steps from the measured step time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import math
 import time
 
+import torch
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
@@ -22,6 +23,8 @@ EVAL_BATCH_SHARE = 0.35
 # kernel selection and allocation), at the end of the warm-up, so no step has run at a learning rate
 # that the settled length would have changed
 MIN_TIMED_STEPS = 2
+# weights Muon leaves to AdamW besides vectors: embeddings, output heads, DSpark's vocabulary factors
+NOT_FOR_MUON = ("embed", "lm_head", "markov")
 
 
 class LearningRate:
@@ -43,12 +46,37 @@ class LearningRate:
         return max(0.0, factor * (1 - self.min_ratio) + self.min_ratio)
 
 
-def make_schedule(cfg: DictConfig, optimizer) -> tuple[LambdaLR, LearningRate]:
-    if cfg.trainer.schedule not in ("cosine", "constant"):
-        raise UserError(f"trainer.schedule: unknown schedule '{cfg.trainer.schedule}' (cosine | constant)")
+def eval_due(step: int, trainer: DictConfig) -> bool:
+    """Whether an evaluation follows step `step`: every `eval_every` steps, or with `eval_doubling` at
+    eval_every, 2x, 4x, ... steps (a learning curve's points evenly spaced on its log axis, at a
+    fraction of the evaluations' cost)."""
+    periods, due = divmod(step, trainer.eval_every)
+    return due == 0 and periods > 0 and (not trainer.eval_doubling or periods & (periods - 1) == 0)
+
+
+def make_optimizers(cfg: DictConfig, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """`trainer.optimizer=adamw`: AdamW over every trainable weight. `muon`: Muon over the hidden
+    matrices and AdamW over the rest (speculators' default split: Muon orthogonalizes matrix updates,
+    which suits neither vocabulary-indexed rows nor vectors), both at `trainer.lr` (Muon's update
+    scaled to AdamW's RMS)."""
+    trainer = cfg.trainer
+    named = [(name, weight) for name, weight in model.named_parameters() if weight.requires_grad]
+    if trainer.optimizer == "adamw":
+        return [torch.optim.AdamW([weight for _, weight in named], lr=trainer.lr, weight_decay=trainer.weight_decay)]
+    muon = [weight for name, weight in named
+            if weight.ndim == 2 and min(weight.shape) > 1 and not any(part in name for part in NOT_FOR_MUON)]
+    rest = [weight for _, weight in named if all(weight is not matrix for matrix in muon)]
+    log.info("optimizer muon: %.2fM weights in %d matrices with Muon, %.2fM with AdamW",
+             sum(w.numel() for w in muon) / 1e6, len(muon), sum(w.numel() for w in rest) / 1e6)
+    return ([torch.optim.Muon(muon, lr=trainer.lr, weight_decay=trainer.weight_decay, adjust_lr_fn="match_rms_adamw")]
+            if muon else []) + ([torch.optim.AdamW(rest, lr=trainer.lr, weight_decay=trainer.weight_decay)] if rest else [])
+
+
+def make_schedule(cfg: DictConfig, optimizers: list[torch.optim.Optimizer]) -> tuple[list[LambdaLR], LearningRate]:
+    """One schedule per optimizer, all following the same `LearningRate`."""
     rate = LearningRate(cfg.trainer.warmup_steps, cfg.trainer.max_steps, cfg.trainer.min_lr_ratio,
                         cfg.trainer.schedule == "cosine")
-    return LambdaLR(optimizer, rate), rate
+    return [LambdaLR(optimizer, rate) for optimizer in optimizers], rate
 
 
 class TimeBudget:
@@ -127,11 +155,11 @@ class TimeBudget:
         eval_seconds = self.eval_seconds
         if eval_seconds is None:
             eval_seconds = math.ceil(trainer.eval_max_samples / trainer.batch_size) * step_seconds * EVAL_BATCH_SHARE
-        # n more steps cost n * step_seconds, plus an evaluation every eval_every steps and at the end
+        # n more steps cost n * step_seconds, plus the evaluations due on the way and one at the end
         left = self.seconds - elapsed
-        fits = done
+        fits, evals = done, 1  # the final evaluation
         while fits < trainer.max_steps:
-            evals = (fits + 1) // trainer.eval_every - done // trainer.eval_every + 1
+            evals += eval_due(fits + 1, trainer)
             if (fits + 1 - done) * step_seconds + evals * eval_seconds > left:
                 break
             fits += 1

@@ -20,6 +20,7 @@ class Trainer:
     batch_size: int = at_least(1)
     grad_accum: int = at_least(1)
     group_by_length: bool = anything()
+    optimizer: str = one_of("adamw", "muon")
     lr: float = at_least(0)  # 0: the weights stay as they start (a check of init_from)
     weight_decay: float = at_least(0)
     warmup_steps: int = at_least(0)
@@ -29,6 +30,7 @@ class Trainer:
     precision: str = one_of(*PRECISIONS)
     log_every: int = at_least(1)
     eval_every: int = at_least(1)
+    eval_doubling: bool = anything()
     eval_max_samples: int = at_least(1)
     eval_accept_prompts: int = at_least(0)
     eval_accept_tokens: int = at_least(1)
@@ -61,7 +63,7 @@ class Data:
     eval_min: int = at_least(0)
     regenerate: bool = anything()
     regen: Regeneration = anything()
-    hidden_states: str = one_of("online", "offline")
+    hidden_states: str = one_of("online", "offline", "cached")
     cache: HiddenStateCache = anything()
 
 

@@ -26,7 +26,7 @@ from drafters.target.model import load_target
 from drafters.target.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training import checkpoint, data, distributed, hidden_cache
 from training.metrics import MetricsLog
-from training.schedule import TimeBudget, make_schedule
+from training.schedule import TimeBudget, eval_due, make_optimizers, make_schedule
 
 log = logging.getLogger("training")
 
@@ -103,12 +103,16 @@ def build_model(cfg: DictConfig, target, train_set, run_dir: str, resumed: tuple
     return drafter, vocab, vocab_key
 
 
-def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, eval_set):
+def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, eval_set, state=None):
     """`teacher(split, indices, batch) -> Captured`: the target run on the batch now (online), or its
-    hidden states read back from the cache `python -m training.dump` wrote (offline)."""
+    hidden states read back from the cache `python -m training.dump` wrote (offline), or that this
+    run writes first where it is missing (cached: the target runs once, every epoch reads it; `state`,
+    Accelerate's process state, shares that work between processes)."""
     if cfg.data.hidden_states == "online":
         return lambda split, indices, batch: capture(target, vocab, batch, layers)
-    if cfg.data.hidden_states == "offline":
+    if cfg.data.hidden_states in ("offline", "cached"):
+        if cfg.data.hidden_states == "cached":
+            hidden_cache.write(cfg, target, layers, train_set, eval_set, state)
         cache = hidden_cache.HiddenCache.open(cfg, target, layers, train_set, eval_set)
         log.info("hidden states: offline, from %s", cache.directory)
 
@@ -117,7 +121,7 @@ def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, e
             return teacher_signal(target, vocab, aux, final)
 
         return read
-    raise UserError(f"data.hidden_states: unknown value '{cfg.data.hidden_states}' (online | offline)")
+    raise UserError(f"data.hidden_states: unknown value '{cfg.data.hidden_states}' (online | offline | cached)")
 
 
 # length grouping sorts this many micro-batches' worth of sequences at a time (the self-distilled
@@ -255,6 +259,8 @@ def preflight(cfg: DictConfig, run_dir: str) -> tuple[str, artifact.TrainingStat
     if holds_checkpoints(run_dir):
         raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
     data.data_source(cfg.data.path)
+    if cfg.data.hidden_states == "cached":
+        hidden_cache.check_destination(str(cfg.data.cache.dir))
     block = cfg.drafter.get("block_size")  # the block drafters (DFlash, DSpark) draft inside one sequence
     if block is not None and block > cfg.data.max_length:
         raise UserError(f"drafter.block_size={block}: must be <= data.max_length={cfg.data.max_length}")
@@ -283,9 +289,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
 
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    schedule, rate = make_schedule(cfg, optimizer)
-    drafter, optimizer, schedule = accelerator.prepare(drafter, optimizer, schedule)
+    optimizers = make_optimizers(cfg, drafter)
+    schedules, rate = make_schedule(cfg, optimizers)
+    drafter, *prepared = accelerator.prepare(drafter, *optimizers, *schedules)
+    optimizers, schedules = prepared[:len(optimizers)], prepared[len(optimizers):]
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
 
     os.makedirs(checkpoints_dir, exist_ok=True)
@@ -295,9 +302,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         "target_fingerprint": target.fingerprint,
         "vocab_key": hashlib.sha256(json.dumps(vocab_key, sort_keys=True).encode()).hexdigest()[:16],
     }
+    checked = {**identity, "trainer.optimizer": cfg.trainer.optimizer}
     start_step = 0
     if resume_from:
-        checkpoint.check_compatible(resume_from, resumed_state, identity)
+        checkpoint.check_compatible(resume_from, resumed_state, checked)
         checkpoint.load(accelerator, resume_from)
         start_step = resumed_state.step
         log.info("resumed from %s at step %d", resume_from, start_step)
@@ -332,7 +340,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     )
 
     layers = accelerator.unwrap_model(drafter).capture_layers()
-    teacher = make_teacher(cfg, target, vocab, layers, train_set, eval_set)
+    teacher = make_teacher(cfg, target, vocab, layers, train_set, eval_set, accelerator)
     if accelerator.is_main_process:  # every check has passed: this run starts
         record_config(cfg, run_dir)
     drafter.train()
@@ -355,10 +363,13 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(trainable, cfg.trainer.grad_clip)
-                optimizer.step()
+                for optimizer in optimizers:
+                    optimizer.step()
                 if accelerator.sync_gradients:  # once per optimizer step, whatever the number of processes
-                    schedule.step()
-                optimizer.zero_grad()
+                    for schedule in schedules:
+                        schedule.step()
+                for optimizer in optimizers:
+                    optimizer.zero_grad()
             # no reads of device values in a step (each would make the host wait for the GPU): the
             # window's sums stay tensors until it is logged
             window["loss"] += loss.detach()
@@ -376,7 +387,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         progress.update()
         last = done == rate.total
         if done % cfg.trainer.log_every == 0 or last:
-            values = {"train/loss": float(window["loss"]) / window["n"], "train/lr": schedule.get_last_lr()[0],
+            values = {"train/loss": float(window["loss"]) / window["n"], "train/lr": schedules[0].get_last_lr()[0],
                       "train/tokens": tokens_seen, "perf/tokens_per_s": window["tokens"] / window["time"]}
             values.update({f"train/{k}": float(v) / window["counts"][k] for k, v in window["metrics"].items()
                            if k.startswith("acc/")})
@@ -384,7 +395,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
                                  tok_s=f"{values['perf/tokens_per_s']:.0f}")
             window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}, "counts": {}}
-        if done % cfg.trainer.eval_every == 0 or last:
+        if eval_due(done, cfg.trainer) or last:
             eval_began = time.perf_counter()
             last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
             metrics_log.log(done, {**last_eval, "train/tokens": tokens_seen})
