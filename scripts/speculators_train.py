@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from drafters.config.errors import UserError  # noqa: E402
 from drafters.storage.artifact import read  # noqa: E402
 from drafters.target.model import load_target  # noqa: E402
 from training.checkpoint import read_state  # noqa: E402
@@ -170,4 +171,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as error:  # a checkpoint that is not one, a stale cache, ...: one line
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
