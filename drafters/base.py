@@ -57,7 +57,9 @@ def drafter_class(name: str) -> type["Drafter"]:
 
 @dataclass
 class Captured:
-    """What the frozen target says about a batch, restricted to what drafters learn from."""
+    """What the frozen target says about a batch, restricted to what drafters learn from. The teacher
+    fields are computed only at teacher positions (the next token is trained on: the only places any
+    loss or metric reads them) and are zero elsewhere."""
 
     aux: list[torch.Tensor]  # hidden states entering the drafter's capture layers, each [B, T, H]
     final: torch.Tensor  # final normed hidden state [B, T, H]
@@ -69,25 +71,30 @@ class Captured:
 @torch.no_grad()
 def capture(target: Target, vocab: DraftVocab, batch: dict, layers: list[int]) -> Captured:
     aux, final = target.capture(batch["input_ids"], batch["attention_mask"], layers)
-    return teacher_signal(target, vocab, aux, final)
+    return teacher_signal(target, vocab, aux, final, batch["loss_mask"])
 
 
 @torch.no_grad()
-def teacher_signal(target: Target, vocab: DraftVocab, aux: list[torch.Tensor], final: torch.Tensor) -> Captured:
+def teacher_signal(target: Target, vocab: DraftVocab, aux: list[torch.Tensor], final: torch.Tensor,
+                   loss_mask: torch.Tensor, greedy: torch.Tensor | None = None) -> Captured:
     """The teacher from hidden states just captured, or read back from the offline cache
-    (training/hidden_cache.py), which keeps `final` only where a next token is trained on."""
-    draft_ids = vocab.draft_ids.to(final.device)
-    greedy = target.argmax(final)
+    (training/hidden_cache.py), which keeps `final` only where a next token is trained on and the
+    target's greedy tokens there (`greedy` [B, T]: the full-vocabulary argmax, most of this
+    function's cost otherwise). Computed on those rows alone: about half of a padded batch's."""
+    rows = torch.nn.functional.pad(loss_mask[:, 1:], (0, 1)).bool()
+    hidden = final[rows]
+    greedy = target.argmax(hidden) if greedy is None else greedy[rows]
     t2d = vocab.t2d.to(final.device)
     # target id -> draft id: the count of draft tokens below it (draft ids are sorted by target id)
     to_draft = torch.cumsum(t2d.long(), 0) - 1
-    return Captured(
-        aux=aux,
-        final=final,
-        teacher_logits=target.logits(final, draft_ids),
-        in_vocab=t2d[greedy],
-        teacher_token=torch.where(t2d[greedy], to_draft[greedy], 0),
-    )
+    logits = target.logits(hidden, vocab.draft_ids.to(final.device))
+    teacher_logits = logits.new_zeros(*rows.shape, logits.shape[-1])
+    teacher_logits[rows] = logits
+    in_vocab = torch.zeros_like(rows)
+    in_vocab[rows] = t2d[greedy]
+    teacher_token = torch.zeros(rows.shape, dtype=torch.long, device=final.device)
+    teacher_token[rows] = torch.where(t2d[greedy], to_draft[greedy], 0)
+    return Captured(aux=aux, final=final, teacher_logits=teacher_logits, in_vocab=in_vocab, teacher_token=teacher_token)
 
 
 class DraftState(Protocol):

@@ -4,8 +4,8 @@ speculators' [T, 4, H] bf16 layout, for any hidden size.
 Renders ShareGPT conversations with the SmolLM2 chat template at each context length, measures
 the mean tokens per conversation and the share of teacher positions (where training/hidden_cache.py
 keeps the final hidden state), and applies the cache layout:
-    ours bf16    (layers + f) x H x 2 bytes           f = teacher positions / tokens
-    ours fp8     (layers + f) x (H + 4) bytes         + one fp32 scale per vector
+    ours bf16    (layers + f) x H x 2 + 4f bytes      f = teacher positions / tokens; 4f: greedy ids
+    ours fp8     (layers + f) x (H + 4) + 4f bytes    + one fp32 scale per vector
     speculators  (layers + 1) x H x 2 bytes           every token
 (offsets and safetensors headers add well under 0.1%; `python -m training.dump` prints the real size).
 
@@ -52,7 +52,7 @@ def main() -> None:
     for max_length in args.contexts:
         per_conversation, share = measure(tokenizer, conversations, max_length)
         for hidden in args.hidden:
-            sizes = [(args.layers + share) * hidden * 2, (args.layers + share) * (hidden + 4),
+            sizes = [(args.layers + share) * hidden * 2 + 4 * share, (args.layers + share) * (hidden + 4) + 4 * share,
                      (args.layers + 1) * hidden * 2]
             disk = [f"{size * per_conversation * args.scale / 1e9:,.0f} GB" for size in sizes]
             print(f"| {hidden} | {max_length} | {per_conversation:,.0f} | {share:.1%} | "

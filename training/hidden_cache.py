@@ -7,13 +7,15 @@ instead of running the target on every batch.
     <dir>/<split>-<shard:05d>.safetensors  `shard_sequences` consecutive sequences of a split:
         aux          [tokens, layers, H]   hidden states entering the drafter's layers, every token
         final        [rows, H]             final (normed) hidden state, only at teacher positions
+        greedy       [rows]                the target's greedy token there (int32)
         aux_scale    [tokens, layers]      fp8 only: one fp32 scale per vector
         final_scale  [rows]
         aux_offsets, final_offsets  [sequences + 1]  where each sequence starts
 
 Teacher positions are those whose next token is trained on (loss_mask[t + 1] = 1): the only
 places any loss or metric reads the teacher, whose logits are recomputed from `final` through
-the target's lm_head. No padding, token ids or logits are stored: the data hash pins the tokens.
+the target's lm_head; the greedy tokens spare training the full-vocabulary argmax. No padding,
+input ids or logits are stored: the data hash pins the tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from training import data
 
 log = logging.getLogger("training")
 
-FORMAT, VERSION = "specdraft-hidden-states", 1
+FORMAT, VERSION = "specdraft-hidden-states", 2  # 2: greedy tokens
 INDEX = "index.json"
 DTYPES = ("bf16", "fp8")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -164,25 +166,29 @@ class HiddenCache:
     def _read(self, split: str, index: int, name: str):
         shard, local = divmod(index, self.per_shard)
         handle, aux_offsets, final_offsets = _open_shard(shard_path(self.directory, split, shard))
-        offsets = aux_offsets if name == "aux" else final_offsets
+        offsets = aux_offsets if name == "aux" else final_offsets  # greedy: one per final row
         start, end = offsets[local], offsets[local + 1]
-        scale = handle.get_slice(f"{name}_scale")[start:end] if self.scaled else None
+        scale = handle.get_slice(f"{name}_scale")[start:end] if self.scaled and name != "greedy" else None
         return handle.get_slice(name)[start:end], scale
 
     def hidden(self, split: str, indices: list[int], loss_mask: torch.Tensor, dtype: torch.dtype, device):
         """(aux as a list of [B, T, H], final [B, T, H]) for a right-padded batch, as `Target.capture`
-        returns them; zero at padding, and `final` zero away from teacher positions."""
+        returns them, and the greedy tokens [B, T]; zero at padding, `final` and `greedy` zero away
+        from teacher positions."""
         batch, width = loss_mask.shape
         hidden_size, layers = self.index["hidden_size"], len(self.index["layers"])
         aux = torch.zeros(batch, width, layers, hidden_size, dtype=dtype)
         final = torch.zeros(batch, width, hidden_size, dtype=dtype)
+        greedy = torch.zeros(batch, width, dtype=torch.long)
         for row, index in enumerate(indices):
             values, scale = self._read(split, index, "aux")
             aux[row, : len(values)] = decode(values, scale, dtype)
+            positions = teacher_positions(loss_mask[row].cpu())
             values, scale = self._read(split, index, "final")
-            final[row, teacher_positions(loss_mask[row].cpu())] = decode(values, scale, dtype)
+            final[row, positions] = decode(values, scale, dtype)
+            greedy[row, positions] = self._read(split, index, "greedy")[0].long()
         aux, final = aux.to(device), final.to(device)
-        return [aux[:, :, k] for k in range(layers)], final
+        return [aux[:, :, k] for k in range(layers)], final, greedy.to(device)
 
 
 def check_destination(directory: str) -> None:
@@ -250,7 +256,7 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
     per_shard, dtype = int(cache_cfg.shard_sequences), str(cache_cfg.dtype)
     first = shard * per_shard
     indices = list(range(first, min(first + per_shard, len(dataset))))
-    parts: dict[str, list] = {"aux": [], "final": [], "aux_scale": [], "final_scale": []}
+    parts: dict[str, list] = {"aux": [], "final": [], "aux_scale": [], "final_scale": [], "greedy": []}
     lengths: dict[str, list] = {"aux": [], "final": []}
     for start in range(0, len(indices), int(cache_cfg.batch_size)):
         batch = {name: tensor.to(target.device) for name, tensor in
@@ -266,6 +272,7 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
                 if scale is not None:
                     parts[f"{name}_scale"].append(scale.cpu())
                 lengths[name].append(len(values))
+            parts["greedy"].append(target.argmax(final[row, positions]).to(torch.int32).cpu())
     tensors = {name: torch.cat(chunks) for name, chunks in parts.items() if chunks}
     for name, counts in lengths.items():
         tensors[f"{name}_offsets"] = torch.tensor([0, *counts]).cumsum(0)

@@ -117,8 +117,8 @@ def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, e
         log.info("hidden states: offline, from %s", cache.directory)
 
         def read(split, indices, batch):
-            aux, final = cache.hidden(split, indices, batch["loss_mask"], target.lm_head_weight.dtype, target.device)
-            return teacher_signal(target, vocab, aux, final)
+            aux, final, greedy = cache.hidden(split, indices, batch["loss_mask"], target.lm_head_weight.dtype, target.device)
+            return teacher_signal(target, vocab, aux, final, batch["loss_mask"], greedy)
 
         return read
     raise UserError(f"data.hidden_states: unknown value '{cfg.data.hidden_states}' (online | offline | cached)")
