@@ -77,10 +77,14 @@ def test_capture_matches_hidden_states_convention(setup, tiny_target):
     torch.testing.assert_close(tiny_target.model.model.norm(aux[-1]), reference.hidden_states[-1])
     torch.testing.assert_close(final, reference.hidden_states[-1])
     captured = capture(tiny_target, vocab, batch, layers)
+    # the teacher at teacher positions (the next token is trained on), zero where nothing reads it
+    taught = torch.nn.functional.pad(batch["loss_mask"][:, 1:], (0, 1)).bool()
+    assert taught.any() and not taught.all()
     full = reference.logits
-    torch.testing.assert_close(captured.teacher_logits, full[..., vocab.draft_ids])
+    torch.testing.assert_close(captured.teacher_logits[taught], full[..., vocab.draft_ids][taught])
+    assert not captured.teacher_logits[~taught].any() and not captured.in_vocab[~taught].any()
     greedy = full.argmax(-1)
-    assert torch.equal(captured.in_vocab, vocab.t2d[greedy])
+    assert torch.equal(captured.in_vocab[taught], vocab.t2d[greedy][taught])
     where = captured.in_vocab
     assert torch.equal(vocab.draft_ids[captured.teacher_token[where]], greedy[where])
 

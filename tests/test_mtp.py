@@ -144,7 +144,8 @@ def test_block_is_the_target_architecture(tiny_gemma3_target, deepseek, qwen3_ne
     assert type(drafter.block).__name__ == "Qwen3NextDecoderLayer" and drafter.block.block_type == "full_attention"
     # Qwen3-Next's final norm scales by (1 + weight) too: the frozen copy still gives its final state
     ids = torch.arange(1, 13).unsqueeze(0)
-    captured = capture(target, vocab, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, drafter.capture_layers())
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    captured = capture(target, vocab, batch, drafter.capture_layers())
     torch.testing.assert_close(drafter.fuse(captured.aux), captured.final)
 
 
