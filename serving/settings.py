@@ -33,7 +33,7 @@ class Decoding:
     max_new_tokens: int = at_least(1)
     dtype: str = one_of(*PRECISIONS)
     draft: str = one_of("chain", "tree", "ngram", "hybrid")
-    steps: int = at_least(1)
+    steps: int | None = at_least(1)  # null: the unroll the head was trained for
     min_confidence: float = between(0, 1)
     schedule: str = one_of("fixed", "auto")
     depth: int = at_least(1)
@@ -91,11 +91,13 @@ def _tree(cfg: DictConfig) -> bool:
 
 def spec_options(cfg: DictConfig, target, drafter) -> dict:
     """generate_spec's keyword arguments from a serve/bench config (`schedule=auto` measures the
-    target's verification cost here, once)."""
+    target's verification cost here, once); `steps=null` becomes the head's own default here."""
     from serving.engine import NgramOptions, measure_verify_cost
     from serving.ngram import NgramDrafts
     from serving.schedule import AutoSchedule
 
+    if cfg.steps is None:
+        cfg.steps = drafter.default_steps(drafter.hparams())
     if _tree(cfg) and cfg.topk > drafter.vocab.draft_size:
         raise UserError(f"topk={cfg.topk}: more children per node than the drafter's "
                         f"{drafter.vocab.draft_size}-token draft vocabulary")

@@ -238,6 +238,17 @@ def test_time_budget_settles_the_length_at_the_end_of_warmup(monkeypatch):
     assert rate.total == settled
 
 
+def test_the_budget_clock_starts_with_the_loop_not_with_the_dump_before_it(monkeypatch):
+    """A cached run writes its hidden-state cache after the budget is made: those minutes are not training's."""
+    budget, rate, clock = budget_for(monkeypatch, minutes=5)
+    clock.now = 600.0  # a 10-minute dump: twice the whole budget
+    budget.start()
+    for step, now in ((1, 615.0), (2, 625.0)):
+        clock.now = now
+        budget.after_step(step)
+    assert rate.total == warmed_up(monkeypatch)[1].total > 2
+
+
 def test_time_budget_stops_a_run_that_falls_behind(monkeypatch):
     budget, rate, clock = warmed_up(monkeypatch)
     settled = rate.total

@@ -22,7 +22,7 @@ def checkpoint(tmp_path_factory):
     result = subprocess.run(
         [sys.executable, "-m", "training.run", "target=tiny_llama", "logger=none", "data.max_samples=40",
          "data.max_length=128", "trainer.batch_size=2", "trainer.max_steps=2", "trainer.eval_max_samples=4",
-         f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "drafter.ttt_steps=2", f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return str(run_dir / "checkpoints" / "latest")
 
@@ -79,7 +79,7 @@ def test_bench_json_interface(checkpoint, tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n")
     out = tmp_path / "res.json"
     result = cli("serving.bench", f"artifact={checkpoint}", f"prompts={prompts}", "n=2", "max_new_tokens=10",
-                 "dtype=float32", "steps=3", "prompt_lookup_tokens=3", f"out={out}")
+                 "dtype=float32", "prompt_lookup_tokens=3", f"out={out}")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert {"artifact", "dtype", "draft", "steps", "temperature"} <= set(report["config"])
@@ -88,8 +88,9 @@ def test_bench_json_interface(checkpoint, tmp_path):
                 "identical", "unexplained_divergences", "n_prompts"):
         assert key in entry
     assert entry["identical"] == 1.0 and entry["unexplained_divergences"] == 0 and entry["n_prompts"] == 2
-    # position k is drafted at every verification forward, and the prefill forward drafts nothing
-    assert len(entry["accept_rate_by_pos"]) == 3
+    # no steps=: a chain of the unroll the head was trained for (drafter.ttt_steps=2), drafted at every
+    # verification forward (the prefill forward drafts nothing)
+    assert report["config"]["steps"] == 2 and len(entry["accept_rate_by_pos"]) == 2
     assert 1.0 <= entry["accept_len"] <= 1 + sum(entry["accept_rate_by_pos"])
     assert entry["drafted_forwards"] == 1.0  # a fixed chain drafts at every forward
     assert 1.0 <= entry["accept_len_prompt_lookup"] <= 4  # at most 3 looked-up tokens and the target's own

@@ -81,8 +81,9 @@ def make_schedule(cfg: DictConfig, optimizers: list[torch.optim.Optimizer]) -> t
 
 class TimeBudget:
     """`trainer.max_minutes` of wall time for the training loop (evaluations and checkpoints
-    included). At the end of the warm-up the run's length becomes the steps that fit in what is
-    left at the measured step time (never more than `max_steps`). After each evaluation the rest is
+    included; the clock starts with the loop, at `start`, so a cached run's dump is not in it). At the
+    end of the warm-up the run's length becomes the steps that fit in what is left at the measured
+    step time (never more than `max_steps`). After each evaluation the rest is
     planned again from that evaluation's measured time and the steps timed since the previous one,
     longer or shorter: measuring real acceptance costs far more than estimated, and on a shared
     machine a busy spell must not cut a run for good. Should the run fall behind anyway, it ends at
@@ -95,7 +96,7 @@ class TimeBudget:
             raise UserError(f"trainer.max_minutes={minutes}: give a number of minutes > 0, or null for no budget")
         self.seconds = None if minutes is None else float(minutes) * 60
         self.cfg, self.accelerator, self.rate = cfg, accelerator, rate
-        self.began = time.perf_counter()
+        self.began = time.perf_counter()  # again at `start`
         self.settle_at = max(MIN_TIMED_STEPS, min(cfg.trainer.warmup_steps, cfg.trainer.max_steps))
         self.start_step = start_step
         self.mark: tuple[int, float] | None = None  # (step, time) the step time is measured from
@@ -106,6 +107,9 @@ class TimeBudget:
             rate.total = min(rate.total, cfg.trainer.max_steps)
         else:
             rate.total = cfg.trainer.max_steps
+
+    def start(self) -> None:
+        self.began = time.perf_counter()
 
     def step_seconds(self) -> float | None:
         if self.mark is None or self.last_step is None or self.last_step[0] <= self.mark[0]:

@@ -351,6 +351,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     progress = tqdm(initial=start_step, total=rate.total, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
     step = start_step
+    budget.start()
     while step < rate.total:
         began = time.perf_counter()
         accelerator.unwrap_model(drafter).progress = step / rate.total
