@@ -89,7 +89,7 @@ def test_native_artifact_serves_like_its_checkpoint(checkpoint, tiny_target, tmp
     assert config["aux_layer_convention"].startswith("input of layer k")
     verifier = {key: config["verifier"][key] for key in ("hidden_size", "vocab_size", "num_layers", "architecture")}
     assert verifier == {"hidden_size": 64, "vocab_size": 49152, "num_layers": 8, "architecture": "LlamaForCausalLM"}
-    assert config["proposal"] == {"draft": "chain", "steps": 7}
+    assert config["proposal"] == {"draft": "chain", "steps": 3}  # the unroll it was trained for (the default)
     stored = load_file(os.path.join(checkpoint, "model.safetensors"))
     assert weights.keys() == stored.keys() and all(torch.equal(weights[k], stored[k]) for k in stored)
     assert torch.equal(draft_logits(str(tmp_path / "native"), tiny_target), draft_logits(checkpoint, tiny_target))
