@@ -126,13 +126,27 @@ def test_a_cached_run_writes_the_cache_once_then_trains_as_offline(caches, tmp_p
         return result.stdout + result.stderr, load_file(tmp_path / run / "checkpoints" / "step-2" / "model.safetensors")
 
     log, first = train("first", "cached", directory)
+    # the dump ran in a child process (its heap freed before training), logging through the run's handlers
+    assert "writing the cache in a child process" in log
     assert "wrote 11 shards, skipped 0" in log and hidden_cache.read_index(str(directory))["complete"]
+    assert "wrote 11 shards" in (tmp_path / "first" / "run.log").read_text()
     assert_same_shards(directory, reference)
     written = shard_state(directory)
     log, second = train("second", "cached", directory)
+    assert "in a child process" not in log
     assert "wrote 0 shards, skipped 11" in log and shard_state(directory) == written
     _, offline = train("offline", "offline", reference)
     assert all(first[name].equal(offline[name]) and second[name].equal(offline[name]) for name in offline)
+
+
+def test_a_mistake_found_in_the_dump_child_is_one_line(tmp_path, capsys):
+    """A cached run's child process finds the malformed line: the parent reports it as its own."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}\n{oops\n')
+    result = run_cli("training.run", [*settings(tmp_path / "cache", "data.hidden_states=cached", f"data.path={data}"),
+                                      f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    one_line_error(result, "bad.jsonl:2: malformed JSON")
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def shard_state(directory):

@@ -6,11 +6,16 @@ import functools
 import hashlib
 import json
 import logging
+import logging.handlers
 import math
+import multiprocessing
 import os
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -101,6 +106,48 @@ def build_model(cfg: DictConfig, target, train_set, run_dir: str, resumed: tuple
         vocab, vocab_key = prepare_vocab(cfg, target, train_set, run_dir, resumed)
         drafter = build_drafter(cfg.drafter, target, vocab)
     return drafter, vocab, vocab_key
+
+
+def dump(cfg: DictConfig) -> dict:
+    """Run the target over the data (regenerated first where data.regenerate asks) and write this
+    process's missing shards of `data.cache.dir` (`python -m training.dump`, and a cached run's
+    child process); returns how many it wrote and skipped, and on the main process the cache's stats."""
+    hidden_cache.check_destination(str(cfg.data.cache.dir))  # before the target loads
+    device, world = distributed.platform(), distributed.world_size()
+    state = PartialState(cpu=device == "cpu", **({"backend": "gloo"} if device == "cpu" and world > 1 else {}))
+    target = load_target(cfg.target, state.device)
+    chosen = precision.resolve(cfg.target.get("dtype", "auto"), state.device)
+    log.info("precision: %s for the target; %s", chosen.describe(), chosen.hardware.describe())
+    with distributed.main_process_first(state):  # the main process writes the data caches, the others read them
+        train_set, eval_set = prepare_data(cfg, target)
+    with tempfile.TemporaryDirectory() as scratch:  # the drafter is built only to learn its capture layers
+        layers = build_model(cfg, target, train_set, scratch)[0].capture_layers()
+    return hidden_cache.write(cfg, target, layers, train_set, eval_set, state)
+
+
+def _log_to(queue) -> None:
+    """The child process's log records go to the parent's handlers (its console and run.log)."""
+    handler = logging.handlers.QueueHandler(queue)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the parent's handlers format the record
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+
+
+def dump_in_child(cfg: DictConfig) -> None:
+    """`dump` in a process of its own, which ends before training starts. Regeneration and the dump
+    leave glibc's heap so fragmented that the training loop after them in the same process slowed to
+    a seventh of a fresh process's speed (47% of its time in `malloc`: docs/training.md); a process
+    that ends gives all of it back. Its log goes through this process's handlers; a UserError in it
+    is raised here."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this heap, no CUDA state
+    queue = context.Queue()
+    listener = logging.handlers.QueueListener(queue, *logging.getLogger().handlers, respect_handler_level=True)
+    listener.start()
+    resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # no Hydra resolvers in the child
+    try:
+        with ProcessPoolExecutor(1, mp_context=context, initializer=_log_to, initargs=(queue,)) as child:
+            child.submit(dump, resolved).result()
+    finally:
+        listener.stop()
 
 
 def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, eval_set, state=None):
@@ -272,6 +319,10 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     resume_from, resumed_state = resumed or (None, None)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     precisions = settle_precision(cfg, run_dir)
+    if (cfg.data.hidden_states == "cached" and distributed.world_size() == 1
+            and not (hidden_cache.read_index(str(cfg.data.cache.dir)) or {}).get("complete")):
+        log.info("hidden states: writing the cache in a child process first")
+        dump_in_child(cfg)
     accelerator = distributed.make_accelerator(cfg, run_dir)
     distributed.agree_on_run_dir(accelerator, run_dir)
     if not accelerator.is_main_process:
