@@ -135,7 +135,7 @@ def _log_to(queue) -> None:
 def dump_in_child(cfg: DictConfig) -> None:
     """`dump` in a process of its own, which ends before training starts. Regeneration and the dump
     leave glibc's heap so fragmented that the training loop after them in the same process slowed to
-    a seventh of a fresh process's speed (47% of its time in `malloc`: docs/training.md); a process
+    about a tenth of a fresh process's speed (47% of its time in `malloc`: docs/training.md); a process
     that ends gives all of it back. Its log goes through this process's handlers; a UserError in it
     is raised here."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this heap, no CUDA state
