@@ -59,7 +59,7 @@ class Eagle(StepDrafter):
 
     @classmethod
     def default_steps(cls, hparams):
-        return 5  # no trained length: the EAGLE repo's draft depth
+        return 3  # no trained length: deeper drafts were almost never accepted (docs/training.md)
 
     @torch.no_grad()
     def init_from_target(self, target):

@@ -8,7 +8,8 @@ drafter's own output feature back in (training-time test), with loss weight deca
 
 Two options from later recipes: `fc_norm` (EAGLE 3.1, speculators' flag of that name) norms each
 target state before `fc`; `init_layer_from_target` starts the decoder layer from the target's last
-one where the shapes agree (its attention reads the feature half of [embedding ; feature]).
+one (its attention reads the feature half of [embedding ; feature]): by default wherever that layer
+is Llama-shaped.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Eagle3(StepDrafter):
         ttt_start: int | None = at_least(1, saved=False)
         loss_decay: float = above(0)
         init_head_from_target: bool = anything(saved=False)
-        init_layer_from_target: bool = anything(saved=False)
+        init_layer_from_target: bool | None = anything(saved=False)
         freeze_head: bool = anything(saved=False)
         fc_norm: bool = anything()
 
@@ -80,8 +81,13 @@ class Eagle3(StepDrafter):
 
     def init_from_target(self, target):
         copy_target_head(self, target)
-        if self.cfg.get("init_layer_from_target"):
+        wanted = self.cfg.get("init_layer_from_target")
+        if wanted or (wanted is None and self.fits_target_layer(target)):
             self.warm_start_layer(target)
+
+    def fits_target_layer(self, target) -> bool:
+        return (set(target.decoder_layers[-1].state_dict()) == LLAMA_LAYER
+                and self.spec.hf_config.get("hidden_act", "silu") == "silu")
 
     @torch.no_grad()
     def warm_start_layer(self, target):
@@ -90,7 +96,7 @@ class Eagle3(StepDrafter):
         starts at zero, so at first the layer reads the feature alone); `fc` starts as the identity on
         the highest target state."""
         last = target.decoder_layers[-1]
-        if set(last.state_dict()) != LLAMA_LAYER or self.spec.hf_config.get("hidden_act", "silu") != "silu":
+        if not self.fits_target_layer(target):
             raise UserError(f"drafter.init_layer_from_target: the last layer of target {self.spec.name} "
                             f"({self.spec.model_type}) is not a Llama layer, so it does not fit the draft layer")
         width = self.spec.hidden_size

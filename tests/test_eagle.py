@@ -146,7 +146,7 @@ def test_sglang_and_vllm_heads_read_back(target, answer, tmp_path):
     for fmt, size in [("sglang", 512), ("vllm", target.spec.vocab_size)]:
         drafter = make_drafter(target, vocab_over(target, reply, size)).eval()
         saved_drafter = saved(drafter, train_cfg().target)
-        assert saved_drafter.proposal == {"draft": "chain", "steps": 5}
+        assert saved_drafter.proposal == {"draft": "chain", "steps": 3}
         write_format(saved_drafter, fmt, tmp_path / fmt)
         assert_read_back(tmp_path / fmt, saved_drafter, drafter, target, ids, train_cfg())
 

@@ -222,7 +222,9 @@ def test_fc_norm_makes_the_fused_feature_blind_to_each_states_scale(tiny_target)
     scaled = [aux[0] * 7.0, *aux[1:]]
     for fc_norm in (True, False):
         torch.manual_seed(0)
-        drafter = build_drafter(compose_train(["target=tiny_llama", f"drafter.fc_norm={fc_norm}"]).drafter, tiny_target, vocab)
+        drafter = build_drafter(compose_train(["target=tiny_llama", f"drafter.fc_norm={fc_norm}",  # a random fc: a
+                                               "drafter.init_layer_from_target=false"]).drafter,  # warm one reads one state
+                                tiny_target, vocab)
         assert len(drafter.fc_norm) == (3 if fc_norm else 0)
         same = torch.allclose(drafter.fuse(aux), drafter.fuse(scaled), atol=1e-5)
         assert same == fc_norm
@@ -230,11 +232,12 @@ def test_fc_norm_makes_the_fused_feature_blind_to_each_states_scale(tiny_target)
 
 
 def test_layer_warm_start_computes_the_targets_last_layer(tiny_target, tiny_gemma3_target):
-    """`drafter.init_layer_from_target`: at the start the draft layer is the target's last decoder
-    layer applied to the feature (the embedding half of its attention input is zero), and fc picks
-    the highest target state; a target whose last layer is not Llama-shaped is refused."""
+    """`drafter.init_layer_from_target` (by default: null, where the shapes allow): at the start the
+    draft layer is the target's last decoder layer applied to the feature (the embedding half of its
+    attention input is zero), and fc picks the highest target state; a target whose last layer is not
+    Llama-shaped starts a fresh layer by default and is refused when asked for it."""
     vocab = random_vocab(tiny_target.spec.vocab_size, 512)
-    cfg = compose_train(["target=tiny_llama", "drafter.init_layer_from_target=true"]).drafter
+    cfg = compose_train(["target=tiny_llama"]).drafter
     drafter = build_drafter(cfg, tiny_target, vocab)
     generator = torch.Generator().manual_seed(4)
     aux = [torch.randn(1, 6, tiny_target.spec.hidden_size, generator=generator) for _ in range(3)]
@@ -247,7 +250,13 @@ def test_layer_warm_start_computes_the_targets_last_layer(tiny_target, tiny_gemm
         ours = drafter.midlayer(drafter.embed_tokens(tokens), feature, cos, sin, UnrolledAttention())
         theirs = tiny_target.decoder_layers[-1](feature, position_embeddings=(cos, sin), position_ids=positions)
     torch.testing.assert_close(ours, theirs[0] if isinstance(theirs, tuple) else theirs, atol=1e-5, rtol=1e-4)
+    fresh = build_drafter(compose_train(["target=tiny_llama", "drafter.init_layer_from_target=false"]).drafter,
+                          tiny_target, vocab)
+    assert not torch.allclose(fresh.fuse(aux), aux[-1], atol=1e-3)
     gemma_vocab = random_vocab(tiny_gemma3_target.spec.vocab_size, 256)
+    gemma = build_drafter(compose_train(["target=tiny_llama"]).drafter, tiny_gemma3_target, gemma_vocab)
+    assert not torch.equal(gemma.fc.weight[:, -tiny_gemma3_target.spec.hidden_size:],
+                           torch.eye(tiny_gemma3_target.spec.hidden_size))
     gemma_cfg = compose_train(["target=tiny_llama", "drafter.init_layer_from_target=true"]).drafter
     with pytest.raises(UserError, match="drafter.init_layer_from_target: the last layer of target .* is not a Llama layer"):
         build_drafter(gemma_cfg, tiny_gemma3_target, gemma_vocab)

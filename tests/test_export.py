@@ -340,7 +340,7 @@ def test_training_init_from_an_artifact(checkpoint, tmp_path):
     ("dflash", {"block_size": 16, "num_layers": 5}, 15),  # a block's slots after the bonus token's
     ("dspark", {"block_size": 8, "markov_rank": 256}, 7),
     ("medusa", {"num_heads": 4, "num_layers": 1}, 4),  # one draft per head
-    ("eagle", {"fc_bias": False, "feature_noise": 0.2}, 5),  # no trained length: EAGLE's draft depth
+    ("eagle", {"fc_bias": False, "feature_noise": 0.2}, 3),  # no trained length: what measured best
 ])
 def test_default_steps_per_drafter(drafter, hparams, steps):
     assert default_proposal(drafter, hparams) == {"draft": "chain", "steps": steps}
