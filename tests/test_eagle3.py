@@ -222,9 +222,9 @@ def test_fc_norm_makes_the_fused_feature_blind_to_each_states_scale(tiny_target)
     scaled = [aux[0] * 7.0, *aux[1:]]
     for fc_norm in (True, False):
         torch.manual_seed(0)
-        drafter = build_drafter(compose_train(["target=tiny_llama", f"drafter.fc_norm={fc_norm}",  # a random fc: a
-                                               "drafter.init_layer_from_target=false"]).drafter,  # warm one reads one state
-                                tiny_target, vocab)
+        # a random fc: a warm-started one reads the last state alone
+        overrides = ["target=tiny_llama", f"drafter.fc_norm={fc_norm}", "drafter.init_layer_from_target=false"]
+        drafter = build_drafter(compose_train(overrides).drafter, tiny_target, vocab)
         assert len(drafter.fc_norm) == (3 if fc_norm else 0)
         same = torch.allclose(drafter.fuse(aux), drafter.fuse(scaled), atol=1e-5)
         assert same == fc_norm
