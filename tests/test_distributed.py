@@ -20,7 +20,9 @@ BASE = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "logg
         "trainer.schedule=constant", "trainer.warmup_steps=3", "trainer.log_every=1", "trainer.eval_every=100",
         "trainer.eval_max_samples=4", "trainer.save_every=2", "trainer.batch_size=1"]
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-PORTS = itertools.count(29531)  # a fresh rendezvous port per launch
+PORTS = itertools.count(29531)
+# what ZeRO runs (the default, `auto`, is Muon for one process and DDP: compared on its own below)
+ADAMW = "trainer.optimizer=adamw"  # a fresh rendezvous port per launch
 
 
 def launch(run_dir, *overrides):
@@ -46,7 +48,7 @@ def assert_same_weights(mine, reference):
 def one_process(tmp_path_factory):
     """The reference: one process, 2 accumulated micro-batches of 1 sequence, 4 steps."""
     run_dir = tmp_path_factory.mktemp("one-process")
-    output = launch(run_dir, "trainer.grad_accum=2", "trainer.max_steps=4")
+    output = launch(run_dir, ADAMW, "trainer.grad_accum=2", "trainer.max_steps=4")
     assert "global batch 2 = 1 per process x 2 accumulation x 1 processes" in output
     return run_dir
 
@@ -55,14 +57,14 @@ def one_process(tmp_path_factory):
 @pytest.mark.xdist_group("one_process")  # one worker builds the reference for all three
 @pytest.mark.parametrize("mode", ["ddp", "zero2"])
 def test_two_processes_match_one(one_process, tmp_path, mode):
-    output = launch(tmp_path, "launch.processes_per_node=2", f"distributed={mode}", "trainer.max_steps=2")
+    output = launch(tmp_path, ADAMW, "launch.processes_per_node=2", f"distributed={mode}", "trainer.max_steps=2")
     assert "global batch 2 = 1 per process x 1 accumulation x 2 processes" in output
     assert_same_weights(weights(tmp_path, 2), weights(one_process, 2))
     if mode == "zero2":  # DeepSpeed's own checkpoint: one optimizer shard per process...
         shards = os.listdir(tmp_path / "checkpoints" / "step-2" / "pytorch_model")
         assert sum(name.endswith("optim_states.pt") for name in shards) == 2, shards
         # ...which a resumed run reads back (DDP resumes through the one-process path of test_training)
-        output = launch(tmp_path, "launch.processes_per_node=2", "distributed=zero2", "trainer.max_steps=4",
+        output = launch(tmp_path, ADAMW, "launch.processes_per_node=2", "distributed=zero2", "trainer.max_steps=4",
                         "trainer.resume=auto")
         assert "resumed from" in output and "at step 2" in output
         assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))
@@ -71,8 +73,16 @@ def test_two_processes_match_one(one_process, tmp_path, mode):
 @pytest.mark.long
 @pytest.mark.xdist_group("one_process")
 def test_zero3_shards_the_drafter_not_the_target(one_process, tmp_path):
-    launch(tmp_path, "launch.processes_per_node=2", "distributed=zero3", "trainer.max_steps=4")
+    launch(tmp_path, ADAMW, "launch.processes_per_node=2", "distributed=zero3", "trainer.max_steps=4")
     assert_same_weights(weights(tmp_path, 4), weights(one_process, 4))  # gathered at save
+
+
+@pytest.mark.long
+def test_ddp_with_the_default_optimizer_matches_one_process(tmp_path):
+    """`auto` is Muon under DDP too: orthogonalized updates of the all-reduced gradients, as in one process."""
+    assert "optimizer muon" in launch(tmp_path / "one", "trainer.grad_accum=2", "trainer.max_steps=2")
+    launch(tmp_path / "ddp", "launch.processes_per_node=2", "distributed=ddp", "trainer.max_steps=2")
+    assert_same_weights(weights(tmp_path / "ddp", 2), weights(tmp_path / "one", 2))
 
 
 def plan(tmp_path, capsys, *overrides):

@@ -13,7 +13,7 @@ from conftest import (FAMILIES, ROOT, TINY_RUN, compose_train, distilled_setup, 
                       random_drafter, records)
 from drafters.base import capture
 from drafters.storage.artifact import read
-from training.schedule import make_optimizers
+from training.schedule import make_optimizers, optimizer_name
 
 
 def command(run_dir, *overrides):
@@ -113,6 +113,15 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_leaves_the_head_to_adamw(ti
     assert ((head - 1e-2).abs() < 1e-4).float().mean() > 0.95
 
 
+def test_the_default_optimizer_is_muon_where_each_process_holds_whole_matrices():
+    """trainer.optimizer=auto: Muon for one process and DDP, AdamW under ZeRO/FSDP (which flatten or
+    shard the weights); a checkpoint saved before the setting existed trained with AdamW."""
+    assert [optimizer_name(compose_train(["target=tiny_llama", f"distributed={mode}"]))
+            for mode in ("none", "ddp", "zero2", "zero3", "fsdp")] == ["muon", "muon", "adamw", "adamw", "adamw"]
+    assert optimizer_name(compose_train(["target=tiny_llama", "distributed=zero2", "trainer.optimizer=muon"])) == "muon"
+    assert optimizer_name({"trainer": {"lr": 1e-3}, "distributed": {"name": "none"}}) == "adamw"
+
+
 def test_a_muon_run_resumes_bitwise_and_refuses_another_optimizer(tmp_path):
     settings = ["trainer.optimizer=muon", "trainer.schedule=constant", "trainer.warmup_steps=0", "trainer.eval_every=100",
                 "trainer.log_every=1", "logger=none"]
@@ -120,7 +129,8 @@ def test_a_muon_run_resumes_bitwise_and_refuses_another_optimizer(tmp_path):
     assert train(tmp_path / "whole", *settings, "trainer.max_steps=4", env=one_thread).returncode == 0
     assert train(tmp_path / "cut", *settings, "trainer.max_steps=2", env=one_thread).returncode == 0
     assert {"optimizer.bin", "optimizer_1.bin"} <= set(os.listdir(tmp_path / "cut" / "checkpoints" / "step-2"))
-    refused = train(tmp_path / "cut", *settings[1:], "trainer.max_steps=4", "trainer.resume=auto", env=one_thread)
+    refused = train(tmp_path / "cut", *settings[1:], "trainer.optimizer=adamw", "trainer.max_steps=4", "trainer.resume=auto",
+                    env=one_thread)
     one_line_error(refused, "trained with trainer.optimizer='muon', this run has trainer.optimizer='adamw'")
     resumed = train(tmp_path / "cut", *settings, "trainer.max_steps=4", "trainer.resume=auto", env=one_thread)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

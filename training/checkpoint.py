@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 from drafters.config.errors import UserError
 from drafters.storage.artifact import TrainingState
 from drafters.storage.writes import STATE_FILE, commit_directory, remove_stale_partials, seal, temp_beside
+from training.schedule import optimizer_name
 
 
 def save(accelerator, model, checkpoints_dir: str, state: TrainingState, keep_last: int) -> str:
@@ -104,7 +105,7 @@ def read_state(path: str) -> TrainingState:
 def check_compatible(path: str, state: TrainingState, expected: dict) -> None:
     """Refuse to resume a checkpoint made for another drafter, target, draft vocabulary or optimizer."""
     saved = {field: getattr(state, field) for field in ("drafter", "target", "target_fingerprint", "vocab_key")}
-    saved["trainer.optimizer"] = state.config.get("trainer", {}).get("optimizer", "adamw")  # older runs: AdamW
+    saved["trainer.optimizer"] = optimizer_name(state.config)
     for field, value in saved.items():
         if value != expected[field]:
             raise UserError(f"cannot resume from {path}: it was trained with {field}={value!r}, "

@@ -24,6 +24,8 @@ DESCRIPTIONS = {
     "zero3": "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded over processes",
     "fsdp": "PyTorch FSDP: parameters, gradients and optimizer states sharded over processes",
 }
+# the modes in which every process holds whole weight matrices, as Muon needs (trainer.optimizer)
+WHOLE_WEIGHTS = ("none", "ddp")
 # Accelerate's name for each resolved trainer.precision (drafters/target/precision.py)
 MIXED_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}
 # What Accelerate must end up running for each mode; it silently falls back to plain processes
@@ -71,7 +73,7 @@ def check_mode(cfg: DictConfig, device: str, world: int) -> None:
     if mode == "fsdp" and device == "cpu":
         raise UserError("distributed=fsdp needs GPUs: Accelerate enables FSDP only on CUDA/ROCm devices and would "
                         "train unsharded copies on CPU; use distributed=ddp, zero2 or zero3 here")
-    if mode not in ("none", "ddp") and cfg.trainer.optimizer == "muon":
+    if mode not in WHOLE_WEIGHTS and cfg.trainer.optimizer == "muon":
         raise UserError(f"trainer.optimizer=muon: distributed={mode} takes one optimizer over flattened or sharded "
                         "weights, Muon needs whole matrices; use distributed=ddp (or none), or trainer.optimizer=adamw")
     if mode in ("zero3", "fsdp") and cfg.trainer.eval_accept_prompts > 0:

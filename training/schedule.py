@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
 
 from drafters.config.errors import UserError
+from training.distributed import WHOLE_WEIGHTS
 
 log = logging.getLogger("training")
 
@@ -54,14 +55,25 @@ def eval_due(step: int, trainer: DictConfig) -> bool:
     return due == 0 and periods > 0 and (not trainer.eval_doubling or periods & (periods - 1) == 0)
 
 
+def optimizer_name(config: DictConfig | dict) -> str:
+    """A run's `trainer.optimizer` (its config, or the one a checkpoint saved: none before Muon came,
+    so AdamW), with `auto` settled: Muon where every process holds whole weight matrices (one process,
+    DDP), AdamW where ZeRO/FSDP flatten or shard them (distributed.check_mode refuses an explicit muon there)."""
+    chosen = config.get("trainer", {}).get("optimizer", "adamw")
+    if chosen != "auto":
+        return chosen
+    return "muon" if config.get("distributed", {}).get("name", "none") in WHOLE_WEIGHTS else "adamw"
+
+
 def make_optimizers(cfg: DictConfig, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-    """`trainer.optimizer=adamw`: AdamW over every trainable weight. `muon`: Muon over the hidden
+    """`adamw` (optimizer_name): AdamW over every trainable weight. `muon`: Muon over the hidden
     matrices and AdamW over the rest (speculators' default split: Muon orthogonalizes matrix updates,
     which suits neither vocabulary-indexed rows nor vectors), both at `trainer.lr` (Muon's update
     scaled to AdamW's RMS)."""
     trainer = cfg.trainer
     named = [(name, weight) for name, weight in model.named_parameters() if weight.requires_grad]
-    if trainer.optimizer == "adamw":
+    if optimizer_name(cfg) == "adamw":
+        log.info("optimizer adamw: %.2fM weights", sum(w.numel() for _, w in named) / 1e6)
         return [torch.optim.AdamW([weight for _, weight in named], lr=trainer.lr, weight_decay=trainer.weight_decay)]
     muon = [weight for name, weight in named
             if weight.ndim == 2 and min(weight.shape) > 1 and not any(part in name for part in NOT_FOR_MUON)]

@@ -20,7 +20,7 @@ class Trainer:
     batch_size: int = at_least(1)
     grad_accum: int = at_least(1)
     group_by_length: bool = anything()
-    optimizer: str = one_of("adamw", "muon")
+    optimizer: str = one_of("auto", "adamw", "muon")
     lr: float = at_least(0)  # 0: the weights stay as they start (a check of init_from)
     weight_decay: float = at_least(0)
     warmup_steps: int = at_least(0)

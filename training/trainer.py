@@ -31,7 +31,7 @@ from drafters.target.model import load_target
 from drafters.target.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
 from training import checkpoint, data, distributed, hidden_cache
 from training.metrics import MetricsLog
-from training.schedule import TimeBudget, eval_due, make_optimizers, make_schedule
+from training.schedule import TimeBudget, eval_due, make_optimizers, make_schedule, optimizer_name
 
 log = logging.getLogger("training")
 
@@ -353,7 +353,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         "target_fingerprint": target.fingerprint,
         "vocab_key": hashlib.sha256(json.dumps(vocab_key, sort_keys=True).encode()).hexdigest()[:16],
     }
-    checked = {**identity, "trainer.optimizer": cfg.trainer.optimizer}
+    checked = {**identity, "trainer.optimizer": optimizer_name(cfg)}
     start_step = 0
     if resume_from:
         checkpoint.check_compatible(resume_from, resumed_state, checked)
