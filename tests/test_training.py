@@ -113,10 +113,11 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_leaves_the_head_to_adamw(ti
     assert ((head - 1e-2).abs() < 1e-4).float().mean() > 0.95
 
 
-def test_the_default_optimizer_is_muon_where_each_process_holds_whole_matrices():
-    """trainer.optimizer=auto: Muon for one process and DDP, AdamW under ZeRO/FSDP (which flatten or
-    shard the weights); a checkpoint saved before the setting existed trained with AdamW."""
-    assert [optimizer_name(compose_train(["target=tiny_llama", f"distributed={mode}"]))
+def test_the_full_presets_optimizer_is_muon_where_each_process_holds_whole_matrices():
+    """trainer.optimizer=auto (trainer=full and long): Muon for one process and DDP, AdamW under ZeRO/FSDP
+    (which flatten or shard the weights); a checkpoint saved before the setting existed trained with AdamW."""
+    assert optimizer_name(compose_train(["target=tiny_llama"])) == "adamw"  # the quick start's
+    assert [optimizer_name(compose_train(["target=tiny_llama", "trainer=full", f"distributed={mode}"]))
             for mode in ("none", "ddp", "zero2", "zero3", "fsdp")] == ["muon", "muon", "adamw", "adamw", "adamw"]
     assert optimizer_name(compose_train(["target=tiny_llama", "distributed=zero2", "trainer.optimizer=muon"])) == "muon"
     assert optimizer_name({"trainer": {"lr": 1e-3}, "distributed": {"name": "none"}}) == "adamw"
