@@ -8,8 +8,9 @@ token), node i > 0 holds draft token candidates[b, i] under parent node parents[
   bonus [B] int64: the token the target adds after the path
 
 Triton does the vocabulary-wide work (argmax; residual max(0, p - q) and its normalization;
-inverse-CDF sampling). The walk over the N nodes is a handful of [B, N] torch ops, shared by the
-Triton and the reference paths so that the two differ only in the vocabulary kernels.
+inverse-CDF sampling) and walks the tree too, one program per sequence with the node-sized state
+in registers. The torch references walk it in ~25 small ops (greedy) or a loop over the nodes
+(rejection): launches that cost far more on a GPU than the vocabulary work (docs/gpu.md).
 """
 import torch
 import triton
@@ -70,9 +71,44 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _greedy(target_logits, candidates, parents, argmax):
+@triton.jit
+def _greedy_walk_kernel(top_ptr, cand_ptr, parents_ptr, path_ptr, accept_ptr, bonus_ptr, N,
+                        BLOCK_N: tl.constexpr):
+    # One program per sequence; the N nodes live in registers (lane i = node i), and scalars are
+    # read out of a lane by a masked sum: lanes of one program give no ordering between stores and
+    # loads, registers need none.
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inside = offs < N
+    top = tl.load(top_ptr + b * N + offs, mask=inside, other=0)
+    cand = tl.load(cand_ptr + b * N + offs, mask=inside, other=0)
+    parents = tl.load(parents_ptr + b * N + offs, mask=inside, other=-2).to(tl.int32)  # as node indices are
+    accepted = offs == 0
+    depth = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for i in range(1, N):  # parents come first: node i's parent is settled when i is reached
+        node = offs == i
+        parent = tl.sum(tl.where(node, parents, 0))
+        at_parent = offs == parent  # nothing for the padding's -2
+        ok = ((parent >= 0) & (tl.sum(tl.where(at_parent, accepted.to(tl.int32), 0)) > 0)
+              & (tl.sum(tl.where(at_parent, top, 0)) == tl.sum(tl.where(node, cand, 0))))
+        accepted = accepted | (node & ok)
+        depth = tl.where(node, tl.sum(tl.where(at_parent, depth, 0)) + 1, depth)
+    deepest = tl.max(tl.where(accepted, depth, -1), axis=0)
+    leaf = tl.min(tl.where(accepted & (depth == deepest), offs, BLOCK_N), axis=0)  # the lowest index
+    path = tl.full([BLOCK_N], -1, tl.int32)
+    node = leaf
+    for _ in range(0, N):  # up from the leaf, each node written at its depth; -1 above the root writes nothing
+        level = tl.sum(tl.where(offs == node, depth, 0))
+        path = tl.where((offs == level) & (node >= 0), node, path)
+        node = tl.where(node >= 0, tl.sum(tl.where(offs == node, parents, 0)), -1)
+    tl.store(path_ptr + b * N + offs, path.to(tl.int64), mask=inside)
+    tl.store(accept_ptr + b, deepest.to(tl.int64))
+    tl.store(bonus_ptr + b, tl.sum(tl.where(offs == leaf, top, 0)).to(tl.int64))
+
+
+def greedy_verify_reference(target_logits, candidates, parents):
     B, N, _ = target_logits.shape
-    top = argmax(target_logits)  # [B, N]: the target's token after each node
+    top = target_logits.argmax(-1)  # [B, N]: the target's token after each node
     anc = tree_ancestors(parents)
     ok = (parents >= 0) & (top.gather(1, parents.clamp(min=0)) == candidates)
     ok[:, 0] = True
@@ -87,12 +123,15 @@ def _greedy(target_logits, candidates, parents, argmax):
     return path, on_path.sum(-1) - 1, top.gather(1, leaf.unsqueeze(1)).squeeze(1)
 
 
-def greedy_verify_reference(target_logits, candidates, parents):
-    return _greedy(target_logits, candidates, parents, lambda x: x.argmax(-1))
-
-
 def greedy_verify_triton(target_logits, candidates, parents):
-    return _greedy(target_logits, candidates, parents, argmax_triton)
+    B, N, _ = target_logits.shape
+    top = argmax_triton(target_logits)
+    path = torch.empty(B, N, dtype=torch.int64, device=top.device)
+    accept_len, bonus = (torch.empty(B, dtype=torch.int64, device=top.device) for _ in range(2))
+    with on_device(top):
+        _greedy_walk_kernel[(B,)](top, candidates.to(torch.int64).contiguous(), parents.to(torch.int64).contiguous(),
+                                  path, accept_len, bonus, N, BLOCK_N=triton.next_power_of_2(N))
+    return path, accept_len, bonus
 
 
 def greedy_verify(target_logits, candidates, parents, *, backend="auto"):
@@ -110,39 +149,33 @@ def greedy_verify(target_logits, candidates, parents, *, backend="auto"):
 
 
 @triton.jit
-def _residual_kernel(p_ptr, q_ptr, rows_ptr, V, BLOCK_V: tl.constexpr):
-    # p[row] <- normalize(max(0, p[row] - q[row])) in place, for rows >= 0 (one per sequence).
-    row = tl.load(rows_ptr + tl.program_id(0))
-    if row >= 0:
-        p_row = p_ptr + row * V
-        q_row = q_ptr + row * V
-        offs = tl.arange(0, BLOCK_V)
-        acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+def _residual_row(p_row, q_row, V, BLOCK_V: tl.constexpr):
+    # p <- normalize(max(0, p - q)) in place; total == 0 means p == q: the rejection had no mass to
+    # move, so sampling goes on from p. Each lane writes only what it read itself.
+    offs = tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        m = start + offs < V
+        p = tl.load(p_row + start + offs, mask=m, other=0.0)
+        q = tl.load(q_row + start + offs, mask=m, other=0.0).to(tl.float32)
+        acc += tl.maximum(p - q, 0.0)
+    total = tl.sum(acc, axis=0)
+    if total > 0:
         for start in range(0, V, BLOCK_V):
             m = start + offs < V
             p = tl.load(p_row + start + offs, mask=m, other=0.0)
             q = tl.load(q_row + start + offs, mask=m, other=0.0).to(tl.float32)
-            acc += tl.maximum(p - q, 0.0)
-        total = tl.sum(acc, axis=0)
-        # total == 0 means p == q: the rejection had no mass to move; keep sampling from p.
-        if total > 0:
-            for start in range(0, V, BLOCK_V):
-                m = start + offs < V
-                p = tl.load(p_row + start + offs, mask=m, other=0.0)
-                q = tl.load(q_row + start + offs, mask=m, other=0.0).to(tl.float32)
-                tl.store(p_row + start + offs, tl.maximum(p - q, 0.0) / total, mask=m)
+            tl.store(p_row + start + offs, tl.maximum(p - q, 0.0) / total, mask=m)
 
 
 @triton.jit
-def _sample_kernel(p_ptr, rows_ptr, u_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
+def _sample_row(p_row, u, V, BLOCK_V: tl.constexpr):
     # Inverse CDF: the first index whose cumulative mass exceeds u * total (and has mass).
-    b = tl.program_id(0)
-    p_row = p_ptr + tl.load(rows_ptr + b) * V
     offs = tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
         acc += tl.load(p_row + start + offs, mask=start + offs < V, other=0.0)
-    target = tl.load(u_ptr + b) * tl.sum(acc, axis=0)
+    target = u * tl.sum(acc, axis=0)
     carry = 0.0
     first = V
     last = -1  # last index with mass: the answer if rounding puts u * total past the end
@@ -154,12 +187,45 @@ def _sample_kernel(p_ptr, rows_ptr, u_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
         first = tl.minimum(first, tl.min(tl.where(hit, start + offs, V), axis=0))
         last = tl.maximum(last, tl.max(tl.where(m & (p > 0), start + offs, -1), axis=0))
         carry = tl.max(c, axis=0)  # the running total (p >= 0; masked lanes add 0)
-    tok = tl.where(first < V, first, tl.maximum(last, 0))
-    tl.store(out_ptr + b, tok.to(tl.int64))
+    return tl.where(first < V, first, tl.maximum(last, 0))
+
+
+@triton.jit
+def _rejection_walk_kernel(p_ptr, q_ptr, cand_ptr, parents_ptr, u_ptr, ru_ptr, path_ptr, accept_ptr, bonus_ptr,
+                           N, V, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    # One program per sequence walks its nodes as the reference does, with the node-sized state in
+    # registers (scalars read out of a lane by a masked sum) and p [B * N, V] its float32 working copy.
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    inside = offs < N
+    cand = tl.load(cand_ptr + b * N + offs, mask=inside, other=0)
+    parents = tl.load(parents_ptr + b * N + offs, mask=inside, other=-2).to(tl.int32)
+    u = tl.load(u_ptr + b * N + offs, mask=inside, other=1.0)
+    path = tl.where(offs == 0, 0, -1)
+    cur = 0
+    accepted = 0
+    for i in range(1, N):
+        node = offs == i
+        row = (b * N + cur) * V
+        x = tl.sum(tl.where(node, cand, 0))
+        px = tl.load(p_ptr + row + x)
+        qx = tl.load(q_ptr + row + x).to(tl.float32)
+        is_child = tl.sum(tl.where(node, parents, 0)) == cur  # padding (-2) never matches
+        accept = is_child & (tl.sum(tl.where(node, u, 0.0)) * qx < px)  # u < p/q without dividing by q = 0
+        if is_child & ~accept:
+            _residual_row(p_ptr + row, q_ptr + row, V, BLOCK_V)
+            tl.debug_barrier()  # the next child's p[row, x] is read by other lanes than wrote it
+        accepted = accepted + accept.to(tl.int32)
+        path = tl.where(accept & (offs == accepted), i, path)
+        cur = tl.where(accept, i, cur)
+    bonus = _sample_row(p_ptr + (b * N + cur) * V, tl.load(ru_ptr + b * N + cur), V, BLOCK_V)
+    tl.store(path_ptr + b * N + offs, path.to(tl.int64), mask=inside)
+    tl.store(accept_ptr + b, accepted.to(tl.int64))
+    tl.store(bonus_ptr + b, bonus.to(tl.int64))
 
 
 def _residual_torch(p, q, rows):
-    """Reference of _residual_kernel: p, q [M, V] (p float32, updated in place), rows [B]."""
+    """p[rows] <- normalize(max(0, p - q)) (kept where that has no mass): p, q [M, V], p float32 in place."""
     r = rows[rows >= 0]
     res = (p[r] - q[r].float()).clamp(min=0)
     total = res.sum(-1, keepdim=True)
@@ -167,7 +233,7 @@ def _residual_torch(p, q, rows):
 
 
 def _sample_torch(p, rows, u):
-    """Reference of _sample_kernel: one token per entry of rows, from p[rows] with uniforms u."""
+    """One token per entry of rows, from p[rows] by inverse CDF with uniforms u."""
     x = p[rows]
     V = x.shape[-1]
     idx = torch.arange(V, device=x.device)
@@ -177,19 +243,7 @@ def _sample_torch(p, rows, u):
     return torch.where(first < V, first, last.clamp(min=0))
 
 
-def _residual_triton(p, q, rows):
-    with on_device(p):
-        _residual_kernel[(rows.shape[0],)](p, q, rows, p.shape[-1], BLOCK_V=BLOCK_V)
-
-
-def _sample_triton(p, rows, u):
-    out = torch.empty_like(rows)
-    with on_device(p):
-        _sample_kernel[(rows.shape[0],)](p, rows, u.contiguous(), out, p.shape[-1], BLOCK_V=BLOCK_V)
-    return out
-
-
-def _rejection(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms, residual, sample):
+def rejection_verify_reference(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms):
     B, N, V = target_probs.shape
     dev = target_probs.device
     # Work copy in float32, [B * N, V]: the current distribution of sequence b is always row
@@ -211,23 +265,27 @@ def _rejection(target_probs, draft_probs, candidates, parents, uniforms, residua
         is_child = parents[:, i] == cur  # padding (-2) never matches
         px, qx = p[row, x], q[row, x].float()
         accept = is_child & (uniforms[:, i] * qx < px)  # u < p/q without dividing by q = 0
-        residual(p, q, torch.where(is_child & ~accept, row, -1))
+        _residual_torch(p, q, torch.where(is_child & ~accept, row, -1))
         slot = torch.where(accept, n_acc + 1, 0)  # column 0 is rewritten with itself (0)
         path.scatter_(1, slot.unsqueeze(1), torch.where(accept, i, 0).unsqueeze(1))
         n_acc += accept.long()
         cur = torch.where(accept, i, cur)
     u_bonus = residual_uniforms.float().gather(1, cur.unsqueeze(1)).squeeze(1)
-    return path, n_acc, sample(p, base + cur, u_bonus)
-
-
-def rejection_verify_reference(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms):
-    return _rejection(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms,
-                      _residual_torch, _sample_torch)
+    return path, n_acc, _sample_torch(p, base + cur, u_bonus)
 
 
 def rejection_verify_triton(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms):
-    return _rejection(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms,
-                      _residual_triton, _sample_triton)
+    B, N, V = target_probs.shape
+    p = torch.empty(B * N, V, dtype=torch.float32, device=target_probs.device)  # the walk's working copy
+    p.copy_(target_probs.reshape(B * N, V))
+    path = torch.empty(B, N, dtype=torch.int64, device=p.device)
+    accept_len, bonus = (torch.empty(B, dtype=torch.int64, device=p.device) for _ in range(2))
+    with on_device(p):
+        _rejection_walk_kernel[(B,)](
+            p, draft_probs.reshape(B * N, V).contiguous(), candidates.to(torch.int64).contiguous(),
+            parents.to(torch.int64).contiguous(), uniforms.float().contiguous(), residual_uniforms.float().contiguous(),
+            path, accept_len, bonus, N, V, BLOCK_N=triton.next_power_of_2(N), BLOCK_V=BLOCK_V)
+    return path, accept_len, bonus
 
 
 def rejection_verify(target_probs, draft_probs, candidates, parents, uniforms, residual_uniforms, *,

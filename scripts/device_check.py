@@ -39,6 +39,8 @@ SHAPES = {
             "compact": [(1, 3, 4096, 64, 8), (4, 8, 4096, 128, 8), (1, 8, 8192, 128, 48)]},
     "smoke": {"greedy": [(1, 8, 1000)], "rejection": [(1, 8, 1000)], "compact": [(1, 2, 64, 16, 5)]},
 }
+# the head's serving.bench runs: a chain of 7 and the 48-node tree
+BENCHES = {"chain7": ["draft=chain", "steps=7"], "tree": ["draft=tree", "depth=6", "topk=8", "total_tokens=48"]}
 
 
 def timed(run, device: torch.device, repeats: int) -> float:
@@ -162,9 +164,9 @@ def speculators_step(device: torch.device, smoke: bool) -> dict:
             "specdraft_over_speculators": seconds["speculators"] / seconds["specdraft"]}
 
 
-def bench(out: str, artifact: str, name: str, options: list[str], smoke: bool, timeout: float) -> dict:
+def bench(out: str, artifact: str, name: str, options: list[str], smoke: bool, new_tokens: int, timeout: float) -> dict:
     path = os.path.join(out, f"bench-{name}.json")
-    size = ["n=1", "max_new_tokens=8"] if smoke else ["n=20", "max_new_tokens=96"]
+    size = ["n=1", "max_new_tokens=8"] if smoke else ["n=20", f"max_new_tokens={new_tokens}"]
     module(["serving.bench", f"artifact={artifact}", "prompts=[mtbench,humaneval,gsm8k]", *size, *options,
             f"out={path}"], os.path.join(out, f"bench-{name}.log"), timeout)
     with open(path) as handle:
@@ -201,7 +203,11 @@ def main() -> None:
     parser.add_argument("--head-minutes", type=float, default=4.0, help="training budget of the head")
     parser.add_argument("--parts", default="kernels,training,head", help="which parts to run, comma-separated")
     parser.add_argument("--data", help="training conversations (data.path=...); default: the ShareGPT wheel")
+    parser.add_argument("--benches", default="chain7,tree", help="the head's benches, in order: chain7, tree or both")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens each bench prompt generates")
     args = parser.parse_args()
+    if set(args.benches.split(",")) - set(BENCHES):
+        parser.error(f"--benches {args.benches}: each must be one of {', '.join(BENCHES)}")
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
@@ -249,8 +255,8 @@ def main() -> None:
                               "head": train(args.out, "head", ["drafter=eagle3", *target, *budget], 60 * (args.head_minutes + 10))}
         head = os.path.join(args.out, "head", "checkpoints", "latest")
         report["bench"] = {}
-        for name, options in (("chain7", ["draft=chain", "steps=7"]), ("tree", ["draft=tree", "depth=6", "topk=8", "total_tokens=48"])):
-            report["bench"][name] = bench(args.out, head, name, options, args.smoke, 900)
+        for name in args.benches.split(","):
+            report["bench"][name] = bench(args.out, head, name, BENCHES[name], args.smoke, args.max_new_tokens, 900)
             save()
         report["seconds"]["head"] = time.perf_counter() - began
     save()

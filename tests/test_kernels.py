@@ -91,9 +91,10 @@ def assert_same(a, b):
 # ------------------------------------------------------------------------------------ greedy
 
 CASES = [(1, 1, 1000), (3, 1, 1000), (3, 6, 1000), (2, 9, 4097), (4, 7, 77)]
+SERVING_TREE = (3, 48, 300)  # the serving tree's 48 nodes: 64 lanes in the Triton walks
 
 
-@pytest.mark.parametrize("B,N,V", CASES)
+@pytest.mark.parametrize("B,N,V", CASES + [SERVING_TREE])
 @pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_triton_matches_reference(B, N, V, chain, dtype):
@@ -194,7 +195,7 @@ def random_rejection_inputs(B, N, V, chain, dtype, gen):
     return tp.to(dtype), dp.to(dtype), candidates, parents, u, ru
 
 
-@pytest.mark.parametrize("B,N,V", CASES)
+@pytest.mark.parametrize("B,N,V", CASES + [SERVING_TREE])
 @pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rejection_triton_matches_reference(B, N, V, chain, dtype):
@@ -354,13 +355,15 @@ from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.kv import _compact_kernel
-from kernels.verify import _argmax_kernel, _residual_kernel, _sample_kernel
+from kernels.verify import _argmax_kernel, _greedy_walk_kernel, _rejection_walk_kernel
 
 BV = {"BLOCK_V": 1024}
 jobs = [
     (_argmax_kernel, "x_ptr:*bf16 out_ptr:*i64 N:i32 V:i32 stride_b:i32 stride_n:i32", BV),
-    (_residual_kernel, "p_ptr:*fp32 q_ptr:*bf16 rows_ptr:*i64 V:i32", BV),
-    (_sample_kernel, "p_ptr:*fp32 rows_ptr:*i64 u_ptr:*fp32 out_ptr:*i64 V:i32", BV),
+    (_greedy_walk_kernel, "top_ptr:*i64 cand_ptr:*i64 parents_ptr:*i64 path_ptr:*i64 accept_ptr:*i64 bonus_ptr:*i64 "
+     "N:i32", {"BLOCK_N": 64}),
+    (_rejection_walk_kernel, "p_ptr:*fp32 q_ptr:*bf16 cand_ptr:*i64 parents_ptr:*i64 u_ptr:*fp32 ru_ptr:*fp32 "
+     "path_ptr:*i64 accept_ptr:*i64 bonus_ptr:*i64 N:i32 V:i32", BV | {"BLOCK_N": 64}),
     (_compact_kernel, "cache_ptr:*fp16 src_ptr:*i64 dst_ptr:*i64 len_ptr:*i64 D:i32 s_b:i32 s_h:i32 "
      "s_s:i32 s_d:i32 s_src:i32", {"BLOCK_L": 16, "BLOCK_D": 128}),
 ]
