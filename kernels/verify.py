@@ -213,8 +213,11 @@ def _rejection_walk_kernel(p_ptr, q_ptr, cand_ptr, parents_ptr, u_ptr, ru_ptr, p
         is_child = tl.sum(tl.where(node, parents, 0)) == cur  # padding (-2) never matches
         accept = is_child & (tl.sum(tl.where(node, u, 0.0)) * qx < px)  # u < p/q without dividing by q = 0
         if is_child & ~accept:
+            # Lanes of one program are not in step: barriers keep every lane's read of p[row, x] before
+            # the residual rewrites the row, and the rewrite before the next child's read.
+            tl.debug_barrier()
             _residual_row(p_ptr + row, q_ptr + row, V, BLOCK_V)
-            tl.debug_barrier()  # the next child's p[row, x] is read by other lanes than wrote it
+            tl.debug_barrier()
         accepted = accepted + accept.to(tl.int32)
         path = tl.where(accept & (offs == accepted), i, path)
         cur = tl.where(accept, i, cur)
