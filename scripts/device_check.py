@@ -208,6 +208,8 @@ def main() -> None:
     args = parser.parse_args()
     if set(args.benches.split(",")) - set(BENCHES):
         parser.error(f"--benches {args.benches}: each must be one of {', '.join(BENCHES)}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.smoke:
