@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 17 in one command (~16 min on an H200 with the defaults; docs/gpu.md has its figures):
+# The GPU check of issue 17 in one command (~16 min on an H200 with the defaults, estimated from its parts; docs/gpu.md):
 #   bash scripts/device_check.sh OUT            # on a GPU machine (CUDA or ROCm torch already installed)
 #   bash scripts/device_check.sh --smoke OUT    # on CPU, tiny target, seconds (CI runs it)
 # Writes OUT/device_check.json and OUT/device_check.md (kernels vs references, training throughput,
