@@ -82,7 +82,7 @@ def _greedy_walk_kernel(top_ptr, cand_ptr, parents_ptr, path_ptr, accept_ptr, bo
     inside = offs < N
     top = tl.load(top_ptr + b * N + offs, mask=inside, other=0)
     cand = tl.load(cand_ptr + b * N + offs, mask=inside, other=0)
-    parents = tl.load(parents_ptr + b * N + offs, mask=inside, other=-2).to(tl.int32)  # as node indices are
+    parents = tl.load(parents_ptr + b * N + offs, mask=inside, other=-2).to(tl.int32)  # int32 like the lanes it is compared with
     accepted = offs == 0
     depth = tl.zeros([BLOCK_N], dtype=tl.int32)
     for i in range(1, N):  # parents come first: node i's parent is settled when i is reached
