@@ -95,12 +95,13 @@ class TimeBudget:
     """`trainer.max_minutes` of wall time for the training loop (evaluations and checkpoints
     included; the clock starts with the loop, at `start`, so a cached run's dump is not in it). At the
     end of the warm-up the run's length becomes the steps that fit in what is left at the measured
-    step time (never more than `max_steps`). After each evaluation the rest is
-    planned again from that evaluation's measured time and the steps timed since the previous one,
-    longer or shorter: measuring real acceptance costs far more than estimated, and on a shared
-    machine a busy spell must not cut a run for good. Should the run fall behind anyway, it ends at
-    the first step after which another one would not fit. Without a budget the run is `max_steps`
-    long, as set. The main process decides; the others follow it."""
+    step time (never more than `max_steps`). After each evaluation, and every warm-up's length of
+    steps between them, the rest is planned again from the steps timed since the warm-up or the
+    last evaluation (and that evaluation's measured time), longer or shorter: measuring real
+    acceptance costs far more than estimated, on a shared machine a busy spell must not cut a run
+    for good, and on a GPU the first steps are several times slower than the rest. Should the run
+    fall behind anyway, it ends at the first step after which another one would not fit. Without a
+    budget the run is `max_steps` long, as set. The main process decides; the others follow it."""
 
     def __init__(self, cfg: DictConfig, accelerator, rate: LearningRate, start_step: int):
         minutes = cfg.trainer.get("max_minutes")
@@ -129,7 +130,7 @@ class TimeBudget:
         return (self.last_step[1] - self.mark[1]) / (self.last_step[0] - self.mark[0])
 
     def after_step(self, done: int) -> None:
-        """Called after each optimizer step `done` (1-based): may settle or shorten the run."""
+        """Called after each optimizer step `done` (1-based): may settle, re-plan or shorten the run."""
         if self.seconds is None:
             return
         now = time.perf_counter()
@@ -147,24 +148,35 @@ class TimeBudget:
                 log.info("time budget %g min: %.2f s per step over steps %d-%d, so %d steps (max_steps %d)",
                          self.seconds / 60, step_seconds, self.start_step + 2, done, total, self.cfg.trainer.max_steps)
                 self.rate.total, self.rate.budgeted = total, True
+            self.mark = (done, now)  # later plans time the steps after the warm-up's
         elif done < self.rate.total and self.agreed(elapsed + step_seconds > self.seconds):
             log.info("time budget %g min: %.1f min spent, stopping at step %d of %d", self.seconds / 60,
                      elapsed / 60, done, self.rate.total)
             self.rate.total, self.rate.budgeted = done, True
+        elif done % self.settle_at == 0 and done > self.settle_at and not eval_due(done, self.cfg.trainer):
+            self.replan(done, elapsed, step_seconds)
 
     def after_eval(self, done: int, seconds: float) -> None:
         """Called after the evaluation at step `done` took `seconds`: plans the rest again."""
         self.eval_seconds = seconds
         step_seconds = self.step_seconds()
         settled = done >= self.settle_at or self.start_step >= self.settle_at
-        if self.seconds is not None and step_seconds is not None and settled and done < self.rate.total:
-            total = self.agreed(self.steps_that_fit(done, time.perf_counter() - self.began, step_seconds))
-            if total != self.rate.total:
-                log.info("time budget %g min: %.2f s per step lately and %.0f s an evaluation, so %d steps, not %d",
-                         self.seconds / 60, step_seconds, seconds, total, self.rate.total)
-                self.rate.total, self.rate.budgeted = total, True
+        if self.seconds is not None and step_seconds is not None and settled:
+            self.replan(done, time.perf_counter() - self.began, step_seconds)
         if self.last_step is not None:
             self.mark = (done, time.perf_counter())  # the next step time is measured from here
+
+    def replan(self, done: int, elapsed: float, step_seconds: float) -> None:
+        """The run's length from the step time measured lately: what fits in the time left."""
+        if done >= self.rate.total:
+            return
+        total = self.agreed(self.steps_that_fit(done, elapsed, step_seconds))
+        if abs(total - self.rate.total) * 100 >= self.rate.total:  # a change under 1% is not news
+            evaluation = "" if self.eval_seconds is None else f" and {self.eval_seconds:.0f} s an evaluation"
+            log.info("time budget %g min: %.2f s per step lately%s, so %d steps, not %d", self.seconds / 60,
+                     step_seconds, evaluation, total, self.rate.total)
+        if total != self.rate.total:
+            self.rate.total, self.rate.budgeted = total, True
 
     def steps_that_fit(self, done: int, elapsed: float, step_seconds: float) -> int:
         trainer = self.cfg.trainer
