@@ -19,19 +19,8 @@ from drafters.config.errors import UserError, command
 from drafters.config.settings import check
 from drafters.proposal import StepDrafter
 from drafters.storage.writes import atomic_file, check_destination, check_writable
+from serving.engine import compare
 from serving.settings import Bench
-
-
-def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool, tolerance: float):
-    """('identical' | 'near_tie' (a bf16 rounding flip at a top-2 tie) | 'unexplained', the plain
-    run's top-2 logit gap where the outputs first differ, or None)."""
-    if plain == spec:
-        return "identical", None
-    first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-    margin = margins[first] if first < len(margins) else None
-    if not exact and margin is not None and margin <= tolerance:
-        return "near_tie", margin
-    return "unexplained", margin
 
 
 @torch.no_grad()

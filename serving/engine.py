@@ -107,6 +107,18 @@ def _finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+def compare(plain: list[int], spec: list[int], margins: list[float], exact: bool, tolerance: float):
+    """('identical' | 'near_tie' (a bf16 rounding flip at a top-2 tie) | 'unexplained', the plain
+    run's top-2 logit gap where the outputs first differ, or None)."""
+    if plain == spec:
+        return "identical", None
+    first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+    margin = margins[first] if first < len(margins) else None
+    if not exact and margin is not None and margin <= tolerance:
+        return "near_tie", margin
+    return "unexplained", margin
+
+
 @torch.no_grad()
 def generate_plain(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos: set[int], sampler: Sampler = GREEDY):
     """Decoding with the target alone, token by token, on the same forward path."""

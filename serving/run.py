@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from omegaconf import DictConfig
 
 from drafters.config.errors import UserError, command
@@ -13,7 +14,7 @@ from serving.settings import Serve, announce_precision, check_options, sampler, 
 @command("serve")
 def main(cfg: DictConfig) -> None:
     from drafters.storage import artifact
-    from serving.engine import generate_spec, generate_plain
+    from serving.engine import compare, generate_plain, generate_spec
 
     check(cfg, Serve)
     check_options(cfg)
@@ -26,12 +27,19 @@ def main(cfg: DictConfig) -> None:
     eos = {target.tokenizer.eos_token_id}
     tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg, target, drafter))
     print(target.tokenizer.decode(tokens, skip_special_tokens=True))
-    print(f"\n[spec] {stats.new_tokens} tokens, {stats.target_forwards} target forwards, "
+    print(f"\n[spec] draft={cfg.draft} schedule={cfg.schedule}: {stats.new_tokens} tokens, "
+          f"{stats.target_forwards} target forwards, "
           f"acceptance length {stats.accept_len:.2f}, {stats.new_tokens / stats.seconds:.1f} tokens/s")
     if cfg.compare_plain:
         plain, plain_stats = generate_plain(target, ids, cfg.max_new_tokens, eos, sampler(cfg))
         # sampled outputs differ by chance; only greedy outputs must be identical
-        same = plain == tokens if cfg.temperature <= 0 else "n/a (sampling)"
+        same = "n/a (sampling)"
+        if cfg.temperature <= 0:
+            exact = target.embed_weight.dtype == torch.float32
+            outcome, gap = compare(plain, tokens, plain_stats.margins, exact, cfg.tie_tolerance)
+            same = str(outcome == "identical")
+            if outcome == "near_tie":
+                same += f", at a rounding near-tie (plain decoding's top-2 logits {gap:.3f} apart there)"
         print(f"[plain] {plain_stats.new_tokens / plain_stats.seconds:.1f} tokens/s; "
               f"speed-up {plain_stats.seconds / stats.seconds * stats.new_tokens / plain_stats.new_tokens:.2f}x; "
               f"identical output: {same}")

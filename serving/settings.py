@@ -35,7 +35,7 @@ class Decoding:
     draft: str = one_of("chain", "tree", "ngram", "hybrid")
     steps: int | None = at_least(1)  # null: the unroll the head was trained for
     min_confidence: float = between(0, 1)
-    schedule: str = one_of("fixed", "auto")
+    schedule: str | None = one_of("fixed", "auto")  # null: auto where it applies (check_options)
     depth: int = at_least(1)
     topk: int = at_least(1)
     total_tokens: int = at_least(1)
@@ -43,6 +43,7 @@ class Decoding:
     temperature: float = at_least(0)
     top_p: float = between(0, 1, open_low=True)
     seed: int = between(0, 2**32 - 1)  # numpy's seed range, as in training
+    tie_tolerance: float = at_least(0)
 
 
 @dataclass
@@ -55,7 +56,6 @@ class Serve(Decoding):
 class Bench(Decoding):
     prompts: object = anything()  # a set's name or file, or a list of them (serving/prompts.py checks each)
     n: int = at_least(1)
-    tie_tolerance: float = at_least(0)
     prompt_lookup_tokens: int = at_least(0)
     hf_plain: bool = anything()
     out: str = nonempty()
@@ -75,9 +75,12 @@ def sampler(cfg: DictConfig):
 
 
 def check_options(cfg: DictConfig) -> None:
-    """The checks across keys of a serve/bench config that need no model."""
+    """The checks across keys of a serve/bench config that need no model; `schedule=null` becomes
+    auto where it can schedule the draft (a chain head, no min_confidence), else fixed."""
     if cfg.ngram.shortest > cfg.ngram.longest:
         raise UserError(f"ngram.shortest={cfg.ngram.shortest} is above ngram.longest={cfg.ngram.longest}")
+    if cfg.schedule is None:
+        cfg.schedule = "fixed" if _tree(cfg) or cfg.min_confidence > 0 else "auto"
     if cfg.schedule == "auto" and _tree(cfg):
         raise UserError("schedule=auto schedules chains: pass draft=chain | ngram | hybrid with ngram.head=chain")
     if cfg.schedule == "auto" and cfg.min_confidence > 0:

@@ -17,8 +17,7 @@ from drafters.config.errors import UserError
 from drafters.storage import artifact
 from drafters.target import precision
 from drafters.target.precision import Hardware, choose, cpu_hardware, gpu_support
-from serving.bench import compare
-from serving.engine import generate_plain, generate_spec
+from serving.engine import compare, generate_plain, generate_spec
 from training import schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS, ROOT, chat_ids, compose_train, head_for, run_cli
+from conftest import CONF_DIR, PROMPTS, ROOT, chat_ids, compose_train, head_for, run_cli
 from drafters.config.errors import UserError
 from drafters.storage import artifact
 from drafters.target.model import load_target
@@ -61,6 +61,23 @@ def test_serving_run_cli(checkpoint):
     result = cli("serving.run", f"artifact={checkpoint}", "max_new_tokens=12", "dtype=float32", "prompt=Hello there")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "identical output: True" in result.stdout and "acceptance length" in result.stdout
+    assert "draft=hybrid schedule=auto" in result.stdout  # the defaults: the head + n-gram drafts, scheduled
+
+
+@pytest.mark.parametrize("overrides, schedule", [
+    ([], "auto"), (["draft=chain"], "auto"), (["draft=ngram"], "auto"), (["draft=tree"], "fixed"),
+    (["ngram.head=tree"], "fixed"), (["draft=chain", "min_confidence=0.5"], "fixed"),
+    (["draft=tree", "schedule=fixed"], "fixed"), (["schedule=fixed"], "fixed"),
+])
+def test_schedule_null_is_auto_where_it_can_schedule(overrides, schedule):
+    from hydra import compose, initialize_config_dir
+
+    from serving.settings import check_options
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose(config_name="serve", overrides=["artifact=x", *overrides])
+    check_options(cfg)
+    assert cfg.schedule == schedule
 
 
 def test_serving_run_cli_sampling(checkpoint, tmp_path, capsys):
@@ -71,7 +88,7 @@ def test_serving_run_cli_sampling(checkpoint, tmp_path, capsys):
     tree = run_cli("serving.run", [f"artifact={checkpoint}", "max_new_tokens=12", "draft=tree", "depth=3", "topk=2",
                                    "temperature=0.8", f"hydra.run.dir={tmp_path / 'tree'}"], capsys)
     assert tree.returncode == 0, tree.stderr[-2000:]
-    assert "identical output: n/a (sampling)" in tree.stdout
+    assert "identical output: n/a (sampling)" in tree.stdout and "draft=tree schedule=fixed" in tree.stdout
 
 
 def test_bench_json_interface(checkpoint, tmp_path):
