@@ -52,6 +52,7 @@ def test_run_dir_layout_metrics_plots_and_wandb(tmp_path):
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert offline_runs, "W&B offline run missing"
     assert "final eval/sim_accept_len" in result.stderr + result.stdout
+    assert f"serve it: python -m serving.run artifact={run_dir / 'checkpoints' / 'latest'}" in result.stderr + result.stdout
 
 
 @pytest.mark.long

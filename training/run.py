@@ -23,6 +23,8 @@ def main(cfg: DictConfig) -> None:
     result = train(cfg, run_dir)
     log.info("outputs: %s (metrics.jsonl, plots/, checkpoints/latest)", os.path.abspath(run_dir))
     log.info("final eval/sim_accept_len: %.3f", result["eval/sim_accept_len"])
+    log.info("serve it: python -m serving.run artifact=%s prompt=\"...\"",
+             os.path.join(os.path.abspath(run_dir), "checkpoints", "latest"))
 
 
 if __name__ == "__main__":
