@@ -3,6 +3,7 @@ the time budget that settles the quick start's length."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -206,10 +207,14 @@ class Clock:
         return self.now
 
 
-def budget_for(monkeypatch, minutes, max_steps=100, warmup=2, rate=None, start_step=0, doubling=False):
+def budget_for(monkeypatch, minutes, max_steps=100, warmup=2, rate=None, start_step=0, doubling=False, deadline=None,
+               spent=0.0):
+    """A TimeBudget on a fake clock; `spent`: the seconds this process ran before it (regeneration, dump)."""
     clock = Clock()
     monkeypatch.setattr(schedule.time, "perf_counter", clock)
-    cfg = OmegaConf.create({"trainer": {"max_minutes": minutes, "max_steps": max_steps, "warmup_steps": warmup,
+    monkeypatch.setattr(schedule, "process_seconds", lambda: spent)
+    cfg = OmegaConf.create({"trainer": {"max_minutes": minutes, "deadline_minutes": deadline, "max_steps": max_steps,
+                                        "warmup_steps": warmup,
                                         "eval_every": 50, "eval_doubling": doubling, "eval_max_samples": 8, "batch_size": 4,
                                         "schedule": "cosine", "min_lr_ratio": 0.1}})
     rate = rate or schedule.LearningRate(warmup, max_steps, 0.1, True)
@@ -246,6 +251,35 @@ def test_the_budget_clock_starts_with_the_loop_not_with_the_dump_before_it(monke
         clock.now = now
         budget.after_step(step)
     assert rate.total == warmed_up(monkeypatch)[1].total > 2
+
+
+@pytest.mark.parametrize("minutes, deadline, spent, like", [
+    (None, 12, 420.0, 4.5),  # 7 of the deadline's 12 minutes went to regeneration and the dump, 0.5 to loading
+    (None, 12, 300.0, 6.5),
+    (5, 60, 420.0, 5),  # the deadline leaves more than max_minutes: max_minutes
+])
+def test_a_deadline_leaves_training_what_the_work_before_it_did_not_spend(monkeypatch, minutes, deadline, spent, like):
+    """Trains as long as a plain budget of `like` minutes would."""
+    budget, rate, clock = budget_for(monkeypatch, minutes=minutes, deadline=deadline, spent=spent, max_steps=1000)
+    clock.now = 30.0  # loading, after the budget was made: the deadline's minutes too
+    budget.start()
+    for step, now in ((1, 45.0), (2, 55.0)):
+        clock.now = now
+        budget.after_step(step)
+    alike, alike_rate, alike_clock = budget_for(monkeypatch, minutes=like, max_steps=1000)
+    for step, now in ((1, 15.0), (2, 25.0)):
+        alike_clock.now = now
+        alike.after_step(step)
+    assert rate.total == alike_rate.total > 2
+
+
+def test_a_deadline_already_spent_ends_the_run_after_its_warmup(monkeypatch):
+    budget, rate, clock = budget_for(monkeypatch, minutes=None, deadline=10, spent=700.0, max_steps=1000)
+    budget.start()
+    for step, now in ((1, 15.0), (2, 25.0)):
+        clock.now = now
+        budget.after_step(step)
+    assert rate.total == 2
 
 
 def test_time_budget_stops_a_run_that_falls_behind(monkeypatch):
@@ -353,6 +387,10 @@ def test_a_resumed_run_keeps_its_budgeted_length_or_takes_a_new_max_steps(monkey
     vars(restored).update(vars(rate))  # what the scheduler's state brings back on resume
     _, resumed, _ = budget_for(monkeypatch, minutes=5, max_steps=400, rate=restored, start_step=10)
     assert resumed.total == settled  # the budget's cut stands
+    again = schedule.LearningRate(2, 100, 0.1, True)
+    vars(again).update(vars(rate))
+    _, by_deadline, _ = budget_for(monkeypatch, minutes=None, deadline=120, max_steps=400, rate=again, start_step=10)
+    assert by_deadline.total == settled  # under a deadline alone too
     unbudgeted = schedule.LearningRate(2, 2, 0.1, True)  # a finished 2-step run, extended to 4
     _, extended, _ = budget_for(monkeypatch, minutes=5, max_steps=4, rate=unbudgeted, start_step=2)
     assert extended.total == 4
@@ -399,3 +437,14 @@ def test_a_short_budget_ends_the_run_early_with_its_eval_and_checkpoint(tmp_path
     assert "time budget 0.1 min" in (run_dir / "run.log").read_text()
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == state["step"] and "eval/sim_accept_len" in evals[-1]
+
+
+def test_a_deadline_counts_the_minutes_before_training(tmp_path):
+    """The process's start-up, data and target loading spend the deadline too: the loop gets the rest."""
+    run_dir = tmp_path / "run"
+    result = train(run_dir, "trainer.max_steps=100000", "trainer.max_minutes=null", "trainer.deadline_minutes=0.4",
+                   "trainer.eval_every=100000", "trainer.save_every=100000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    left = float(re.search(r"deadline 0.4 min: ([\d.]+) min of it left", (run_dir / "run.log").read_text())[1])
+    assert 0 <= left < 0.4
+    assert 2 <= json.loads((run_dir / "checkpoints" / "latest" / "trainer_state.json").read_text())["step"] < 100000

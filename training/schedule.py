@@ -1,5 +1,6 @@
 """How a run trains and for how long: its optimizers, the learning-rate schedule over its steps,
-and the time budget (`trainer.max_minutes`) that settles the number of steps from the measured step time."""
+and the time budget (`trainer.max_minutes`, `trainer.deadline_minutes`) that settles the number of
+steps from the measured step time."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import math
 import time
 
+import psutil
 import torch
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
@@ -91,11 +93,25 @@ def make_schedule(cfg: DictConfig, optimizers: list[torch.optim.Optimizer]) -> t
     return [LambdaLR(optimizer, rate) for optimizer in optimizers], rate
 
 
+def process_seconds() -> float:
+    """How long this process has run: what regeneration, the dump and loading spent before training."""
+    return time.time() - psutil.Process().create_time()
+
+
+def minutes_setting(cfg: DictConfig, key: str) -> float | None:
+    minutes = cfg.trainer.get(key)
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
+        raise UserError(f"trainer.{key}={minutes}: give a number of minutes > 0, or null for no budget")
+    return None if minutes is None else float(minutes)
+
+
 class TimeBudget:
     """`trainer.max_minutes` of wall time for the training loop (evaluations and checkpoints
-    included; the clock starts with the loop, at `start`, so a cached run's dump is not in it). At the
-    end of the warm-up the run's length becomes the steps that fit in what is left at the measured
-    step time (never more than `max_steps`). After each evaluation, and every warm-up's length of
+    included; the clock starts with the loop, at `start`, so a cached run's dump is not in it), and at
+    most what `trainer.deadline_minutes`, counted from the start of the process (regeneration, the
+    dump and loading included), leaves it: a preset that must end within a wall clock trains longer
+    where its data came faster. At the end of the warm-up the run's length becomes the steps that
+    fit in what is left at the measured step time (never more than `max_steps`). After each evaluation, and every warm-up's length of
     steps between them, the rest is planned again from the steps timed since the warm-up or the
     last evaluation (and that evaluation's measured time), longer or shorter: measuring real
     acceptance costs far more than estimated, on a shared machine a busy spell must not cut a run
@@ -104,18 +120,17 @@ class TimeBudget:
     budget the run is `max_steps` long, as set. The main process decides; the others follow it."""
 
     def __init__(self, cfg: DictConfig, accelerator, rate: LearningRate, start_step: int):
-        minutes = cfg.trainer.get("max_minutes")
-        if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
-            raise UserError(f"trainer.max_minutes={minutes}: give a number of minutes > 0, or null for no budget")
-        self.seconds = None if minutes is None else float(minutes) * 60
+        minutes, deadline = minutes_setting(cfg, "max_minutes"), minutes_setting(cfg, "deadline_minutes")
+        self.seconds = None if minutes is None else minutes * 60
         self.cfg, self.accelerator, self.rate = cfg, accelerator, rate
         self.began = time.perf_counter()  # again at `start`
+        self.deadline = None if deadline is None else self.began - process_seconds() + deadline * 60
         self.settle_at = max(MIN_TIMED_STEPS, min(cfg.trainer.warmup_steps, cfg.trainer.max_steps))
         self.start_step = start_step
         self.mark: tuple[int, float] | None = None  # (step, time) the step time is measured from
         self.last_step: tuple[int, float] | None = None
         self.eval_seconds: float | None = None  # the last evaluation's, once one has run
-        if self.seconds is not None and rate.budgeted:
+        if (self.seconds is not None or self.deadline is not None) and rate.budgeted:
             # a resumed run keeps the length its budget allowed (restored with the scheduler)
             rate.total = min(rate.total, cfg.trainer.max_steps)
         else:
@@ -123,6 +138,10 @@ class TimeBudget:
 
     def start(self) -> None:
         self.began = time.perf_counter()
+        if self.deadline is not None:
+            left = max(self.deadline - self.began, 0.0)
+            log.info("deadline %g min: %.1f min of it left for training", self.cfg.trainer.deadline_minutes, left / 60)
+            self.seconds = left if self.seconds is None else min(self.seconds, left)
 
     def step_seconds(self) -> float | None:
         if self.mark is None or self.last_step is None or self.last_step[0] <= self.mark[0]:

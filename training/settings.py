@@ -17,6 +17,7 @@ from drafters.config.settings import PRECISIONS, above, anything, at_least, betw
 class Trainer:
     max_steps: int = at_least(1)
     max_minutes: float | None = above(0)
+    deadline_minutes: float | None = above(0)
     batch_size: int = at_least(1)
     grad_accum: int = at_least(1)
     group_by_length: bool = anything()
