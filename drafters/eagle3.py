@@ -61,6 +61,7 @@ class Eagle3(StepDrafter):
         init_layer_from_target: bool | None = anything(saved=False)
         freeze_head: bool = anything(saved=False)
         fc_norm: bool = anything()
+        feature_noise: float = at_least(0, saved=False)
 
     def __init__(self, cfg, spec, vocab):
         super().__init__(cfg, spec, vocab)
@@ -126,7 +127,11 @@ class Eagle3(StepDrafter):
 
         unroll = curriculum(int(self.cfg.ttt_steps), self.cfg.get("ttt_start"), self.progress)
         weights = [float(self.cfg.loss_decay) ** k for k in range(unroll)]
-        return unrolled_distill(batch, captured, self.fuse(captured.aux), weights, step,
+        feature = self.fuse(captured.aux)
+        if self.training and self.cfg.get("feature_noise"):  # uniform, in units of each vector's RMS (EAGLE's, scaled)
+            scale = feature.detach().pow(2).mean(-1, keepdim=True).sqrt() * float(self.cfg.feature_noise)
+            feature = feature + (torch.rand_like(feature) - 0.5) * scale
+        return unrolled_distill(batch, captured, feature, weights, step,
                                 head=self.draft_logits, kind=self.cfg.get("loss", "soft_ce"))
 
     # ---- serving: the same layer, run incrementally over a DraftCache (see StepDrafter)

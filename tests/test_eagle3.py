@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from conftest import assert_lossless_on_smollm2, compose_train
+from conftest import assert_lossless_on_smollm2, batch_vocab, compose_train, distilled_setup, self_distilled_batch
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
@@ -161,11 +161,14 @@ def test_ttt_unrolling_is_causal(setup, tiny_target):
         assert not torch.allclose(before[:, unaffected:], after[:, unaffected:]), f"step {k} ignores token {j}"
 
 
-def test_loss_metrics_and_masking(setup, tiny_target):
-    drafter, vocab, batch = setup
-    captured = capture(tiny_target, vocab, batch, drafter.capture_layers())
+def test_loss_metrics_and_masking(varied_target):
+    # a self-distilled batch: its teacher tokens are in the draft vocabulary, so every position trains
+    _, batch, vocab = distilled_setup(varied_target)
+    torch.manual_seed(0)
+    drafter = build_drafter(compose_train(["target=tiny_llama"]).drafter, varied_target, vocab)
+    captured = capture(varied_target, vocab, batch, drafter.capture_layers())
     loss, metrics = drafter.loss(batch, captured)
-    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert loss.ndim == 0 and torch.isfinite(loss) and loss > 0
     assert sorted(k for k in metrics if k.startswith("acc/")) == [f"acc/{k}" for k in range(1, 4)]  # the default unroll: 3
     assert all(0.0 <= metrics[f"acc/{k}"] <= 1.0 for k in range(1, 4))
     # masking every assistant token leaves nothing to learn: zero loss
@@ -229,6 +232,26 @@ def test_fc_norm_makes_the_fused_feature_blind_to_each_states_scale(tiny_target)
         same = torch.allclose(drafter.fuse(aux), drafter.fuse(scaled), atol=1e-5)
         assert same == fc_norm
         assert ("fc_norm.0.weight" in drafter.state_dict()) == fc_norm
+
+
+def test_feature_noise_perturbs_training_only(varied_target):
+    """`drafter.feature_noise` adds uniform noise to the unroll's input in training; evaluation and a
+    width of 0 compute the noiseless loss."""
+    batch = self_distilled_batch(varied_target)
+    vocab, losses = batch_vocab(varied_target, batch), {}
+    for noise in (0.0, 0.2):
+        torch.manual_seed(0)
+        drafter = build_drafter(compose_train(["target=tiny_llama", f"drafter.feature_noise={noise}"]).drafter,
+                                varied_target, vocab)
+        captured = capture(varied_target, vocab, batch, drafter.capture_layers())
+        for mode in ("train", "eval"):
+            getattr(drafter, mode)()
+            with torch.no_grad():
+                losses[noise, mode] = float(drafter.loss(batch, captured)[0])
+    assert losses[0.0, "eval"] > 0
+    assert losses[0.0, "train"] == losses[0.0, "eval"] == losses[0.2, "eval"]
+    assert losses[0.2, "train"] != losses[0.0, "train"]
+    assert "feature_noise" not in drafter.hparams()  # a training choice: the artifact does not record it
 
 
 def test_layer_warm_start_computes_the_targets_last_layer(tiny_target, tiny_gemma3_target):
