@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from conftest import assert_lossless_on_smollm2, batch_vocab, compose_train, distilled_setup, self_distilled_batch
+from conftest import assert_lossless_on_smollm2, compose_train, distilled_setup
 from drafters.base import build_drafter, capture, sim_accept_len
 from drafters.config.errors import UserError
 from drafters.eagle3 import default_aux_layers
@@ -237,8 +237,8 @@ def test_fc_norm_makes_the_fused_feature_blind_to_each_states_scale(tiny_target)
 def test_feature_noise_perturbs_training_only(varied_target):
     """`drafter.feature_noise` adds uniform noise to the unroll's input in training; evaluation and a
     width of 0 compute the noiseless loss."""
-    batch = self_distilled_batch(varied_target)
-    vocab, losses = batch_vocab(varied_target, batch), {}
+    _, batch, vocab = distilled_setup(varied_target)
+    losses = {}
     for noise in (0.0, 0.2):
         torch.manual_seed(0)
         drafter = build_drafter(compose_train(["target=tiny_llama", f"drafter.feature_noise={noise}"]).drafter,
