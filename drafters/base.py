@@ -119,6 +119,9 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DictConfig, spec: TargetSpec, vocab: DraftVocab):
         super().__init__()
         self.cfg, self.spec, self.vocab = cfg, spec, vocab
+        # draft id -> target id offset, and which target ids are drafted: saved with the weights
+        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
+        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
     def capture_layers(self) -> list[int]:
         """Target layers (docs/design.md convention: input of layer k) this drafter conditions on."""
@@ -150,8 +153,8 @@ class Drafter(nn.Module):
     @classmethod
     def default_steps(cls, hparams: dict) -> int:
         """Drafts per target forward when serving is not told (`steps=`): what a drafter with these
-        hyper-parameters was trained to draft."""
-        raise NotImplementedError
+        hyper-parameters was trained to draft; here the unroll it was trained for (`ttt_steps`)."""
+        return int(hparams["ttt_steps"])
 
     def new_cache(self, target_cache=None) -> DraftState:
         """A fresh serving state; `target_cache` (the target's KV cache, kept in step with the committed

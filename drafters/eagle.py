@@ -50,8 +50,6 @@ class Eagle(StepDrafter):
         self.lm_head = nn.Linear(width, vocab.draft_size, bias=False).requires_grad_(False)  # the target's
         self.target_norm = TargetNorm(spec)
         self.rotary = LlamaRotaryEmbedding(self.layer_config)
-        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
-        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
     def capture_layers(self):
         # the last layer's output: `target_norm` makes it the feature f_t

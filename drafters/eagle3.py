@@ -76,10 +76,6 @@ class Eagle3(StepDrafter):
     def capture_layers(self):
         return self.aux_layers
 
-    @classmethod
-    def default_steps(cls, hparams):
-        return int(hparams["ttt_steps"])  # the unroll it was trained for
-
     def init_from_target(self, target):
         copy_target_head(self, target)
         wanted = self.cfg.get("init_layer_from_target")

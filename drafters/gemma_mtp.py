@@ -151,17 +151,11 @@ class GemmaMTP(StepDrafter):
         self.post_projection = nn.Linear(width, spec.hidden_size, bias=False)
         self.lm_head = nn.Linear(spec.hidden_size, vocab.draft_size, bias=False).requires_grad_(False)
         self.rotary = classes.rotary(classes.config)  # the target's own RoPE, as its keys carry it
-        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
-        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
         self.target_keys_values = None  # set by init_from_target: training reads the target's K/V through it
 
     def capture_layers(self):
         # the input of the cache layer (training recomputes its K/V) and the last layer's output (the activation)
         return [self.kv_layer, self.spec.num_layers]
-
-    @classmethod
-    def default_steps(cls, hparams):
-        return int(hparams["ttt_steps"])  # the unroll it was trained for
 
     @torch.no_grad()
     def init_from_target(self, target):

@@ -134,15 +134,13 @@ class TargetNorm(LlamaRMSNorm):
 def add_fused_head(drafter: nn.Module, spec: TargetSpec, vocab, inputs: int, layer_config) -> None:
     """What EAGLE-3 and DFlash both hold around their decoder layers: the target's token embedding
     (frozen), `fc` fusing `inputs` target hidden states (inputs x H -> H), the final norm and lm_head
-    over the draft vocabulary, the RoPE of `layer_config`, and the draft <-> target id maps."""
+    over the draft vocabulary and the RoPE of `layer_config`."""
     width = spec.hidden_size
     drafter.embed_tokens = nn.Embedding(spec.vocab_size, width).requires_grad_(False)
     drafter.fc = nn.Linear(inputs * width, width, bias=False)
     drafter.norm = LlamaRMSNorm(width, spec.rms_norm_eps)
     drafter.lm_head = nn.Linear(width, vocab.draft_size, bias=False)
     drafter.rotary = LlamaRotaryEmbedding(layer_config)
-    drafter.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
-    drafter.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
 
 @torch.no_grad()

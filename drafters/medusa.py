@@ -65,8 +65,6 @@ class Medusa(ParallelDrafter):
         self.target_norm = TargetNorm(spec)
         self.blocks = nn.ModuleList(ResidualBlocks(width, int(cfg.num_layers)) for _ in range(int(cfg.num_heads)))
         self.lm_heads = nn.ModuleList(nn.Linear(width, vocab.draft_size, bias=False) for _ in self.blocks)
-        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
-        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
     @classmethod
     def default_steps(cls, hparams):

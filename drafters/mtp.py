@@ -88,15 +88,9 @@ class MTP(StepDrafter):
         self.norm = classes.norm(width, eps).requires_grad_(False)
         self.lm_head = nn.Linear(width, vocab.draft_size, bias=False).requires_grad_(False)
         self.rotary = classes.rotary(config)
-        self.register_buffer("d2t", vocab.d2t.clone(), persistent=True)
-        self.register_buffer("t2d", vocab.t2d.clone(), persistent=True)
 
     def capture_layers(self):
         return [self.spec.num_layers]  # the last layer's output, normed by `target_norm`
-
-    @classmethod
-    def default_steps(cls, hparams):
-        return int(hparams["ttt_steps"])  # the unroll it was trained for
 
     @torch.no_grad()
     def init_from_target(self, target):

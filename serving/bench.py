@@ -19,7 +19,7 @@ from drafters.config.errors import UserError, command
 from drafters.config.settings import check
 from drafters.proposal import StepDrafter
 from drafters.storage.writes import atomic_file, check_destination, check_writable
-from serving.engine import compare
+from serving.engine import Stats, compare
 from serving.settings import Bench
 
 
@@ -94,11 +94,9 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
     from serving.settings import sampler
 
     eos = {target.tokenizer.eos_token_id}
-    totals = {"plain_s": 0.0, "plain_tokens": 0, "spec_s": 0.0, "spec_tokens": 0, "forwards": 0,
-              "drafting_s": 0.0, "verify_forward_s": 0.0, "bookkeeping_s": 0.0, "head_drafted": 0,
-              "head_extend_s": 0.0, "head_extensions": 0, "head_extended": 0, "head_step_s": 0.0, "head_steps": 0,
-              **{f"{kind}_{what}": 0 for kind in ("lookup", "hf_plain") for what in ("s", "tokens", "forwards")}}
-    proposed, accepted, outcomes, gaps = [], [], [], []
+    plain_total, spec_total = Stats(), Stats()
+    hf_totals = {kind: {"tokens": 0, "forwards": 0, "s": 0.0} for kind in ("lookup", "hf_plain")}
+    outcomes, gaps = [], []
     plain_sampler = sampler(cfg)
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         ids = chat_prompt(target.tokenizer, text).to(target.device)
@@ -113,37 +111,24 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         for kind, wanted, lookup in (("lookup", cfg.prompt_lookup_tokens > 0, cfg.prompt_lookup_tokens),
                                      ("hf_plain", cfg.hf_plain, None)):
             if wanted:
-                tokens, forwards, seconds = hf_generate(target, ids, cfg, lookup)
-                totals[f"{kind}_tokens"] += tokens
-                totals[f"{kind}_forwards"] += forwards
-                totals[f"{kind}_s"] += seconds
-        totals["plain_s"] += plain_stats.seconds
-        totals["plain_tokens"] += plain_stats.new_tokens
-        totals["spec_s"] += spec_stats.seconds
-        totals["spec_tokens"] += spec_stats.new_tokens
-        totals["forwards"] += spec_stats.target_forwards
-        for key in ("drafting_s", "verify_forward_s", "bookkeeping_s", "head_drafted", "head_extend_s",
-                    "head_extensions", "head_extended", "head_step_s", "head_steps"):
-            totals[key] += getattr(spec_stats, key)
-        for k, (p, a) in enumerate(zip(spec_stats.proposed_by_pos, spec_stats.accepted_by_pos)):
-            if k == len(proposed):
-                proposed.append(0)
-                accepted.append(0)
-            proposed[k] += p
-            accepted[k] += a
+                for key, value in zip(("tokens", "forwards", "s"), hf_generate(target, ids, cfg, lookup)):
+                    hf_totals[kind][key] += value
+        plain_total.add(plain_stats)
+        spec_total.add(spec_stats)
         if cfg.temperature <= 0:  # sampled outputs differ by chance: nothing to compare
             exact = target.embed_weight.dtype == torch.float32  # else a near-tie may round either way
             outcome, gap = compare(plain, spec, plain_stats.margins, exact, cfg.tie_tolerance)
             outcomes.append(outcome)
             if gap is not None:
                 gaps.append(round(gap, 4))
-    plain_rate = totals["plain_tokens"] / totals["plain_s"]
+    totals, proposed, accepted = vars(spec_total), spec_total.proposed_by_pos, spec_total.accepted_by_pos
+    plain_rate = plain_total.new_tokens / plain_total.seconds
     plain_forward_s = 1 / plain_rate
-    iterations = max(totals["forwards"] - len(prompts), 1)  # verification forwards (prefills aside)
-    spec_rate = totals["spec_tokens"] / totals["spec_s"]
+    iterations = max(spec_total.target_forwards - len(prompts), 1)  # verification forwards (prefills aside)
+    spec_rate = spec_total.new_tokens / spec_total.seconds
     result = {
         "n_prompts": len(prompts),
-        "accept_len": totals["spec_tokens"] / totals["forwards"],
+        "accept_len": spec_total.accept_len,
         "accept_rate_by_pos": [a / p for a, p in zip(accepted, proposed)],
         "drafted_forwards": proposed[0] / iterations if proposed else 0.0,  # share of them that verified drafts
         "tokens_per_s_spec": spec_rate,
@@ -166,16 +151,17 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         "extension": {"tokens_per_call": totals["head_extended"] / totals["head_extensions"],
                       "ms_per_call": 1000 * totals["head_extend_s"] / totals["head_extensions"]}
         if totals["head_extensions"] else None,
-        "new_tokens_spec": totals["spec_tokens"],
-        "new_tokens_plain": totals["plain_tokens"],
+        "new_tokens_spec": spec_total.new_tokens,
+        "new_tokens_plain": plain_total.new_tokens,
     }
     if cfg.hf_plain:  # speed-ups are quoted against the faster plain loop: ours or transformers'
-        result["tokens_per_s_hf_plain"] = totals["hf_plain_tokens"] / totals["hf_plain_s"]
+        result["tokens_per_s_hf_plain"] = hf_totals["hf_plain"]["tokens"] / hf_totals["hf_plain"]["s"]
         result["speedup_over_faster_plain"] = spec_rate / max(plain_rate, result["tokens_per_s_hf_plain"])
     if cfg.prompt_lookup_tokens > 0:
-        lookup_rate = totals["lookup_tokens"] / totals["lookup_s"]
+        lookup = hf_totals["lookup"]
+        lookup_rate = lookup["tokens"] / lookup["s"]
         result["tokens_per_s_prompt_lookup"] = lookup_rate
-        result["accept_len_prompt_lookup"] = totals["lookup_tokens"] / totals["lookup_forwards"]
+        result["accept_len_prompt_lookup"] = lookup["tokens"] / lookup["forwards"]
         result["speedup_prompt_lookup"] = lookup_rate / plain_rate
         result["speedup_over_prompt_lookup"] = spec_rate / lookup_rate
     return result

@@ -90,6 +90,17 @@ class Stats:
         """Tokens committed per target forward, bonus included."""
         return self.new_tokens / max(self.target_forwards, 1)
 
+    def add(self, other: "Stats") -> None:
+        """Sum another run's counts and times into these (per-position counts position by position)."""
+        for name, value in vars(other).items():
+            mine = getattr(self, name)
+            if name.endswith("_by_pos"):
+                mine.extend([0] * (len(value) - len(mine)))
+                for k, count in enumerate(value):
+                    mine[k] += count
+            else:
+                setattr(self, name, mine + value)  # margins: one after the other
+
     def count(self, proposed: int, accepted: int) -> None:
         while len(self.proposed_by_pos) < proposed:
             self.proposed_by_pos.append(0)

@@ -149,15 +149,11 @@ def seal(path: str) -> None:
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
     if os.path.isdir(path):  # its entries too
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        _fsync_directory(path)
 
 
-def _fsync_parent(path: str) -> None:
-    descriptor = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+def _fsync_directory(directory: str) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
@@ -176,7 +172,7 @@ def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
         yield partial
         seal(partial)
         os.replace(partial, path)
-        _fsync_parent(path)
+        _fsync_directory(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.lexists(partial):
             os.remove(partial)
@@ -241,4 +237,4 @@ def commit_directory(partial: str, out: str) -> None:
         shutil.rmtree(old)
     else:
         os.replace(partial, out)
-    _fsync_parent(out)
+    _fsync_directory(os.path.dirname(os.path.abspath(out)))
