@@ -26,8 +26,7 @@ def last_eval(metrics_path: str) -> dict:
 
 def describe(config: dict) -> str:
     if config["draft"] == "tree":
-        tree = config["tree"]
-        return f"tree {tree['depth']}/{tree['topk']}/{tree['total_tokens']}"
+        return f"tree {config['depth']}/{config['topk']}/{config['total_tokens']}"
     if config.get("schedule") == "auto":
         return f"{config['draft']} {config['steps']}, schedule=auto"
     scheduled = config.get("min_confidence") or 0

@@ -224,14 +224,9 @@ def main(cfg: DictConfig) -> None:
     options = spec_options(cfg, target, drafter)
     floor = alpha_floor(target, drafter, chat_prompt(target.tokenizer, sets[names[0]][0]).to(target.device), cfg.steps) if cfg.draft != "ngram" else None
     results = {
-        "config": {"artifact": os.path.abspath(cfg.artifact), "dtype": chosen.name, "dtype_requested": cfg.dtype,
-                   "draft": cfg.draft, "schedule": cfg.schedule,
-                   "steps": cfg.steps, "min_confidence": cfg.min_confidence,
-                   "verify_cost": options["schedule"] and options["schedule"].measured,
-                   "tree": {"depth": cfg.depth, "topk": cfg.topk, "total_tokens": cfg.total_tokens}, "temperature": cfg.temperature,
-                   "top_p": cfg.top_p, "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens, "tie_tolerance": cfg.tie_tolerance,
-                   "prompt_lookup_tokens": cfg.prompt_lookup_tokens, "hf_plain": cfg.hf_plain,
-                   "ngram": OmegaConf.to_container(cfg.ngram)},
+        "config": {**OmegaConf.to_container(cfg, resolve=True), "artifact": os.path.abspath(cfg.artifact),
+                   "dtype": chosen.name, "dtype_requested": cfg.dtype,
+                   "verify_cost": options["schedule"] and options["schedule"].measured},
         "hardware": chosen.hardware.to_dict(),
         "alpha_floor": floor and floor["draft"],
         "alpha_step_floor": floor and floor["step"],
