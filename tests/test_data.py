@@ -244,6 +244,18 @@ def test_build_datasets_split_is_deterministic(tokenizer):
     assert sorted(eval4["input_ids"]) != sorted(eval_["input_ids"])
 
 
+def test_loss_on_all_trains_on_the_prompts_and_evaluates_on_the_answers(tokenizer):
+    conversations = [chat(f"question {i}", f"answer {i}") for i in range(20)]
+    kwargs = dict(max_length=64, eval_fraction=0.1, eval_min=3, seed=0)
+    train, eval_, _ = build_datasets(conversations, tokenizer, **kwargs)
+    train_all, eval_all, stats = build_datasets(conversations, tokenizer, loss_on="all", **kwargs)
+    assert train_all["input_ids"] == train["input_ids"] and eval_all["input_ids"] == eval_["input_ids"]
+    assert all(mask == [1] * len(ids) for ids, mask in zip(train_all["input_ids"], train_all["loss_mask"]))
+    assert stats["train_loss_tokens"] == stats["train_tokens"] > sum(sum(m) for m in train["loss_mask"])
+    assert eval_all["loss_mask"] == eval_["loss_mask"]  # held out as serving drafts: on answers
+    assert all(0 < sum(mask) < len(mask) for mask in eval_all["loss_mask"])
+
+
 def test_collate_pads_right():
     batch = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}], pad_id=2)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2]]

@@ -501,8 +501,13 @@ def build_datasets(
     eval_fraction: float,
     eval_min: int,
     seed: int,
+    loss_on: str = "answers",
 ) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
     """Render every conversation and split the results into train and eval.
+
+    `loss_on="all"` trains on every position of the training conversations, the prompt's too (the
+    target's hidden states and predictions there come with the dump at no extra cost); evaluation
+    stays on the answers, where serving drafts.
 
     The eval set is the ``max(eval_min, round(eval_fraction * n))`` examples (at most n - 1) with
     the smallest hash of (seed, conversation): deterministic, and an example's side does not
@@ -534,6 +539,8 @@ def build_datasets(
     eval_ids = set(sorted(range(n), key=lambda i: rendered[i][0])[:n_eval])
     splits = {"train": [], "eval": []}
     for i, (_, example) in enumerate(rendered):
+        if loss_on == "all" and i not in eval_ids:
+            example = {**example, "loss_mask": [1] * len(example["input_ids"])}
         splits["eval" if i in eval_ids else "train"].append(example)
 
     result = {}

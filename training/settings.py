@@ -62,6 +62,7 @@ class Data:
     max_length: int = at_least(2)  # a trained position needs a token before it
     eval_fraction: float = between(0, 1)
     eval_min: int = at_least(0)
+    loss_on: str = one_of("answers", "all")
     regenerate: bool = anything()
     regen: Regeneration = anything()
     hidden_states: str = one_of("online", "offline", "cached")

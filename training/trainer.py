@@ -63,6 +63,7 @@ def prepare_data(cfg: DictConfig, target):
         eval_fraction=cfg.data.eval_fraction,
         eval_min=cfg.data.eval_min,
         seed=cfg.seed,
+        loss_on=cfg.data.loss_on,
     )
     log.info("split: %s", json.dumps(split))
     if len(train_set) == 0:
