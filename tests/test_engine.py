@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, chat_ids, head_for
-from serving.engine import generate_spec, generate_plain
+from serving.engine import Stats, generate_spec, generate_plain
 
 @pytest.fixture(scope="module")
 def plain_outputs(tiny_target):
@@ -127,3 +127,17 @@ def test_auto_schedule_on_measured_costs_is_lossless(tiny_target, plain_outputs)
         ids = chat_ids(tiny_target, text)
         spec, _ = generate_spec(tiny_target, drafter, ids, 32, eos, steps=7, schedule=schedule)
         assert spec == plain
+
+
+def test_stats_add_sums_runs_position_by_position():
+    """What serving.bench totals a prompt set with: counts and times summed, per-position counts
+    summed position by position over runs whose chains had different lengths."""
+    total, short, long = Stats(), Stats(new_tokens=5, target_forwards=3, seconds=0.5), Stats(new_tokens=9, target_forwards=4)
+    short.count(2, 1)
+    long.count(4, 3)
+    long.count(1, 0)
+    for run in (short, long):
+        total.add(run)
+    assert (total.new_tokens, total.target_forwards, total.seconds) == (14, 7, 0.5)
+    assert total.proposed_by_pos == [3, 2, 1, 1] and total.accepted_by_pos == [2, 1, 1, 0]
+    assert total.accept_len == 2.0
