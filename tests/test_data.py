@@ -343,6 +343,24 @@ def test_regenerate_resumes_after_interruption(tokenizer, tiny_model, tmp_path, 
     assert regenerate(tiny_model, tokenizer, PROMPTS, **{**kwargs, "cache_dir": str(tmp_path / "fresh")}) == resumed
 
 
+def test_regeneration_within_a_time_budget_keeps_what_it_answered(tokenizer, tiny_model, tmp_path, monkeypatch, caplog):
+    kwargs = dict(max_new_tokens=3, batch_size=1, cache_dir=str(tmp_path), target_id="tiny")
+    whole = regenerate(tiny_model, tokenizer, PROMPTS, **kwargs)
+    counting = CountingDecode()
+    monkeypatch.setattr(data, "_decode", counting)
+    with caplog.at_level(logging.INFO, logger="training.data"):
+        budgeted = regenerate(tiny_model, tokenizer, PROMPTS, **kwargs, max_minutes=1e-9)  # spent by the first batch
+    # one batch: the longest prompt of the window (the data's first 8 batches), its answer the same as unbudgeted
+    lengths = [len(tokenizer.apply_chat_template(c[:-1], add_generation_prompt=True, tokenize=True)["input_ids"])
+               for c in whole]
+    assert counting.calls == 1 and budgeted == [whole[lengths.index(max(lengths))]]
+    assert "1 of 3 prompts answered within data.regen.max_minutes=1e-09" in caplog.text
+    assert len(list(tmp_path.glob("regenerated-*.json"))) == 2  # the budget is part of the cache key
+    monkeypatch.setattr(data, "_decode", CountingDecode(fail_from=1))
+    assert regenerate(tiny_model, tokenizer, PROMPTS, **kwargs, max_minutes=1e-9) == budgeted  # reused as it was
+    assert regenerate(tiny_model, tokenizer, PROMPTS, **kwargs) == whole
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1e-6])
 def test_batched_decoding_equals_generate_row_by_row(tiny_model, temperature):
     """Each row of a left-padded batch, rows ending at different steps (end tokens chosen among

@@ -364,6 +364,7 @@ def regenerate(
     target_id: str,
     temperature: float = 0.0,
     max_prompt_tokens: int | None = None,
+    max_minutes: float | None = None,
 ) -> list[Conversation]:
     """Self-distillation: replace the answers by the target's own.
 
@@ -375,9 +376,13 @@ def regenerate(
     Prompts longer than ``max_prompt_tokens`` are dropped (counted in the log): their answers
     would not fit the training length, and one of them would stall a whole batch.
 
+    With ``max_minutes`` (a budget for this process's regeneration), batches stop once it is spent
+    and only the prompts answered by then are kept: as much data as the machine affords in that time.
+
     Greedy when temperature == 0. The answers are cached in ``cache_dir`` under a hash of the
-    target id, the prompts, max_new_tokens, temperature and the chat template; a finished run is
-    reused as is, an interrupted one resumes from the batches it saved.
+    target id, the prompts, max_new_tokens, temperature, the chat template and the budget; a
+    finished run is reused as is (a budgeted one with the answers it had), an interrupted one
+    resumes from the batches it saved.
     """
     _require_template(tokenizer)
     prompts = [_prompt(c) for c in conversations]
@@ -388,8 +393,9 @@ def regenerate(
         if len(kept) < len(prompts):
             logger.info("regeneration: dropped %d prompts longer than %d tokens", len(prompts) - len(kept), max_prompt_tokens)
         prompts = kept
+    budget = [] if max_minutes is None else [max_minutes]  # unbudgeted caches keep their keys
     key_source = json.dumps(
-        [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template], ensure_ascii=False
+        [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template, *budget], ensure_ascii=False
     )
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
     cache = Path(cache_dir) / f"regenerated-{key}.json"
@@ -397,7 +403,8 @@ def regenerate(
 
     if cache.exists():
         try:
-            answers = dict(enumerate(json.loads(cache.read_text(encoding="utf-8"))["answers"]))
+            stored = json.loads(cache.read_text(encoding="utf-8"))["answers"]
+            answers = {i: answer for i, answer in enumerate(stored) if answer is not None}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
             raise UserError(f"regenerated data {cache} is unreadable ({error}): delete it to regenerate") from None
         logger.info("reusing regenerated data from %s", cache)
@@ -406,30 +413,45 @@ def regenerate(
         answers = _read_partial(partial, len(prompts))
         if answers:
             logger.info("resuming regeneration: %d/%d answers already in %s", len(answers), len(prompts), partial)
-        _generate(model, tokenizer, prompts, answers, partial, max_new_tokens, batch_size, temperature)
+        _generate(model, tokenizer, prompts, answers, partial, max_new_tokens, batch_size, temperature, max_minutes)
         with atomic_file(str(cache), key="regenerated data") as partial_file, open(partial_file, "w",
                                                                                   encoding="utf-8") as handle:
             json.dump({"target_id": target_id, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                       "answers": [answers[i] for i in range(len(prompts))]}, handle, ensure_ascii=False)
+                       "max_minutes": max_minutes, "answers": [answers.get(i) for i in range(len(prompts))]},
+                      handle, ensure_ascii=False)
         partial.unlink(missing_ok=True)
-        logger.info("regenerated %d answers into %s", len(prompts), cache)
-    return [prompt + [{"role": "assistant", "content": answers[i]}] for i, prompt in enumerate(prompts)]
+        logger.info("regenerated %d answers into %s", len(answers), cache)
+    if len(answers) < len(prompts):
+        logger.info("regeneration: %d of %d prompts answered within data.regen.max_minutes=%s", len(answers),
+                    len(prompts), max_minutes)
+    return [prompt + [{"role": "assistant", "content": answers[i]}] for i, prompt in enumerate(prompts) if i in answers]
+
+
+# under a time budget, prompts are length-sorted within windows of this many batches of the data's order
+BUDGET_WINDOW_BATCHES = 8
 
 
 def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
-              max_new_tokens: int, batch_size: int, temperature: float) -> None:
-    """Fill ``answers`` for the prompts not in it yet, appending each batch to ``partial``."""
+              max_new_tokens: int, batch_size: int, temperature: float, max_minutes: float | None) -> None:
+    """Fill ``answers`` for the prompts not in it yet, appending each batch to ``partial``; with
+    ``max_minutes``, no batch starts once they have passed (the first always runs: no data is no run)."""
     texts = [_chat_text(tokenizer, p, add_generation_prompt=True) for p in prompts]
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     # Longest first: batches of similar length waste less on padding, and a prompt too long
-    # for memory fails at once rather than at the end.
-    todo = sorted((i for i in range(len(prompts)) if i not in answers), key=lambda i: -len(token_ids[i]))
-    began, produced = time.perf_counter(), 0
+    # for memory fails at once rather than at the end. Under a budget, longest first within
+    # windows of the data's order, so that what is answered in time is not just the longest prompts.
+    todo = [i for i in range(len(prompts)) if i not in answers]
+    window = max(len(todo), 1) if max_minutes is None else BUDGET_WINDOW_BATCHES * batch_size
+    todo = [i for start in range(0, len(todo), window)
+            for i in sorted(todo[start : start + window], key=lambda i: -len(token_ids[i]))]
+    began, produced, answered = time.perf_counter(), 0, 0
     with torch.inference_mode(), open(partial, "a", encoding="utf-8") as log, \
             tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
         for start in range(0, len(todo), batch_size):
+            if max_minutes is not None and answers and time.perf_counter() - began >= max_minutes * 60:
+                break
             batch = todo[start : start + batch_size]
             ids, mask = _left_pad([token_ids[i] for i in batch], pad_id)
             rows = _decode(model, ids.to(model.device), mask.to(model.device), max_new_tokens, eos, temperature)
@@ -438,10 +460,13 @@ def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
                 log.write(json.dumps({"i": i, "answer": answers[i]}, ensure_ascii=False) + "\n")
             log.flush()
             produced += sum(len(row) for row in rows)
+            answered += len(batch)
             bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{produced / (time.perf_counter() - began):.0f}")
-    if todo:
-        logger.info("regeneration: %d answers, %d tokens in %.0f s (%.0f tokens/s)", len(todo), produced,
+            elapsed = time.perf_counter() - began
+            bar.set_postfix(tok_s=f"{produced / elapsed:.0f}",  # a budgeted run ends with its budget, not its prompts
+                            **({} if max_minutes is None else {"budget_min_left": f"{max(max_minutes - elapsed / 60, 0):.1f}"}))
+    if answered:
+        logger.info("regeneration: %d answers, %d tokens in %.0f s (%.0f tokens/s)", answered, produced,
                     time.perf_counter() - began, produced / (time.perf_counter() - began))
 
 

@@ -51,6 +51,7 @@ def prepare_data(cfg: DictConfig, target):
             max_new_tokens=cfg.data.regen.max_new_tokens,
             batch_size=cfg.data.regen.batch_size,
             temperature=cfg.data.regen.temperature,
+            max_minutes=cfg.data.regen.max_minutes,
             cache_dir=os.path.join(cfg.cache_dir, "regenerated"),
             target_id=f"{target.spec.name}:{target.fingerprint}",
             # leave the answer room within the training length
