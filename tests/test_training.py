@@ -13,7 +13,7 @@ from conftest import (FAMILIES, ROOT, TINY_RUN, compose_train, distilled_setup, 
                       random_drafter, records)
 from drafters.base import capture
 from drafters.storage.artifact import read
-from training.schedule import make_optimizers, optimizer_name
+from training.schedule import Muon, make_optimizers, newton_schulz, optimizer_name
 
 
 def command(run_dir, *overrides):
@@ -112,6 +112,31 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_leaves_the_head_to_adamw(ti
         assert update[0] / update[-1] < 1.5 and gradient[0] / gradient[-1] > 10, (name, update, gradient)
     head = moved["lm_head.weight"].abs()  # lr * |g| / (|g| + eps): lr but where a gradient is near eps
     assert ((head - 1e-2).abs() < 1e-4).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("shape", [(48, 32), (32, 48)])
+def test_muon_orthogonalizes_in_float32_where_bf16_is_emulated(shape):
+    """Muon(float32_orthogonalization=True), what make_optimizers builds where bf16 is not native:
+    the step's update is torch's Newton-Schulz iteration (newton_schulz in bf16 is torch's, bit for bit)
+    computed in float32, within 1e-5 of the same in float64, where torch's own bf16 update is off by
+    more than 1e-3; after the step torch's function is its own again."""
+    torch.manual_seed(0)
+    gradient = torch.randn(shape)
+    own = torch.optim._muon._zeropower_via_newtonschulz
+    settings = ((3.4445, -4.775, 2.0315), 5, 1e-7)  # torch's defaults
+    assert torch.equal(newton_schulz(gradient, *settings, dtype=torch.bfloat16), own(gradient, *settings))
+
+    def update(float32: bool) -> torch.Tensor:
+        weight = torch.nn.Parameter(torch.zeros(shape))
+        weight.grad = gradient.clone()
+        Muon([weight], float32_orthogonalization=float32, lr=1.0, momentum=0.0, nesterov=False,
+             adjust_lr_fn="original").step()  # no momentum: the update is -NS(gradient) x the shape's lr ratio
+        return -weight.detach().double() / max(1.0, shape[0] / shape[1]) ** 0.5
+
+    exact = newton_schulz(gradient.double(), *settings, dtype=torch.float64)
+    assert (update(True) - exact).abs().max() < 1e-5
+    assert (update(False) - exact).abs().max() > 1e-3
+    assert torch.optim._muon._zeropower_via_newtonschulz is own
 
 
 def test_the_full_presets_optimizer_is_muon_where_each_process_holds_whole_matrices():
