@@ -215,6 +215,24 @@ def test_render_truncation(tokenizer):
     assert render(tokenizer, CHAT[:1], max_length=1024) is None
 
 
+def test_a_regenerated_answer_keeps_the_token_ids_the_target_emitted(tokenizer):
+    """An answer spelled letter by letter (as a target may emit it) is not re-tokenized into words:
+    training learns the ids the target produced, the prompt and the closing tokens as rendered."""
+    letters = [tokenizer.convert_tokens_to_ids(letter) for letter in "Four"]
+    prompt = CHAT[:1]
+    text_only = render(tokenizer, [*prompt, {"role": "assistant", "content": "Four"}], max_length=1024)
+    regenerated = render(tokenizer, [*prompt, {"role": "assistant", "content": "Four", "token_ids": letters}],
+                         max_length=1024)
+    answer_start = text_only["loss_mask"].index(1)
+    assert regenerated["input_ids"][:answer_start] == text_only["input_ids"][:answer_start]
+    assert regenerated["input_ids"][answer_start:] == letters + text_only["input_ids"][-2:]  # <|im_end|> \n
+    assert len(text_only["input_ids"]) < len(regenerated["input_ids"])  # the text re-tokenizes into fewer ids
+    assert masked_text(tokenizer, regenerated) == masked_text(tokenizer, text_only) == "Four<|im_end|>"
+    assert regenerated["loss_mask"][answer_start:] == [1] * len(letters) + [1, 0]
+    assert render(tokenizer, [*prompt, {"role": "assistant", "content": "Four", "token_ids": letters}],
+                  max_length=answer_start + 2)["input_ids"] == regenerated["input_ids"][: answer_start + 2]
+
+
 def test_render_without_chat_template(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "chat_template", None)
     with pytest.raises(UserError, match="has no chat template"):
@@ -369,9 +387,9 @@ def test_batched_decoding_equals_generate_row_by_row(tiny_model, temperature):
     prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 6, 12, 4)]
     ids, mask = data._left_pad(prompts, 0)
     with torch.inference_mode():
-        free = data._decode(tiny_model, ids, mask, 12, set(), 0.0)
+        free, _ = data._decode(tiny_model, ids, mask, 12, set(), 0.0)
         ends = {free[0][4], free[2][1]}  # rows 0 and 2 end early; others may too
-        rows = data._decode(tiny_model, ids, mask, 12, ends, temperature)
+        rows, _ = data._decode(tiny_model, ids, mask, 12, ends, temperature)
     assert [len(row) for row in free] == [12] * len(prompts) and len(rows[0]) <= 4 and len(rows[2]) <= 1
     for prompt, row in zip(prompts, rows):
         with torch.inference_mode():

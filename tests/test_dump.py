@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from accelerate import PartialState
 from safetensors.torch import load_file
 
 from conftest import ROOT, TINY_RUN, compose_train, one_line_error, records, run_cli
 from drafters.config.errors import UserError
 from drafters.target.model import load_target
-from training import hidden_cache
+from training import data, hidden_cache
 from training.dump import dump
 from training.trainer import build_model, make_batch, make_teacher, prepare_data
 
@@ -206,3 +207,50 @@ def test_two_process_dump_writes_the_same_cache(caches, tmp_path):
     assert "dump process 0: wrote 6 shards" in output and "dump process 1: wrote 5 shards" in output
     assert hidden_cache.read_index(str(directory))["complete"]
     assert_same_shards(directory, Path(cfg.data.cache.dir))
+
+
+def test_decoding_keeps_the_states_a_dump_computes(varied_target):
+    """Regeneration's states of each training sequence (prompt + answer + closing tokens fed after
+    the answer) are those the target computes over the whole sequence at once, for answers that end
+    on an end token and answers cut at max_new_tokens alike."""
+    target, closing, limit = varied_target, [7, 8], 8
+    prompts = [torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 6, 12)]
+    ids, mask = data._left_pad(prompts, 0)
+    capture = hidden_cache.RegenCapture(target, [1, 3], max_length=64)
+    with torch.inference_mode():
+        free, _ = data._decode(target.model, ids, mask, limit, set(), 0.0)
+        ends = {free[0][3], free[2][1]}
+        rows, states = data._decode(target.model, ids, mask, limit, ends, 0.0, capture, closing)
+    assert len(rows[0]) <= 3 and len(rows[2]) <= 1 and any(len(row) == limit for row in rows)
+    for prompt, row, kept in zip(prompts, rows, states):
+        sequence = torch.tensor([prompt + row + closing])
+        aux, final = target.capture(sequence, None, capture.layers)
+        teacher = slice(len(prompt) - 1, len(prompt) + len(row))  # the prompt's last token to the answer's last
+        torch.testing.assert_close(kept["aux"], torch.stack(aux, 2)[0], rtol=1e-3, atol=1e-3)  # a cache, not one pass
+        torch.testing.assert_close(kept["final"], final[0, teacher], rtol=1e-3, atol=1e-3)
+        greedy = target.argmax(final[0, teacher])
+        assert kept["greedy"].tolist() == greedy.tolist() == row + greedy[-1:].tolist()
+        assert (greedy[-1].item() in ends) == (len(row) < limit)
+
+
+def test_a_regenerating_dump_reads_the_states_regeneration_kept(tmp_path):
+    """A cached run that regenerates its answers runs the target over none of them again: its shards
+    hold what the target computes over the rendered sequences (the same greedy tokens)."""
+    regenerating = ["data.regenerate=true", "data.regen.max_new_tokens=12", "data.max_samples=24",
+                    f"cache_dir={tmp_path / 'caches'}"]
+    cfg = compose_train(settings(tmp_path / "cache", *regenerating))
+    result = dump(cfg)
+    target = load_target(cfg.target)
+    train_set, eval_set = prepare_data(cfg, target)  # the regenerated answers, from their cache
+    assert result["reused"] == len(train_set) + len(eval_set) > 16
+    reference = compose_train(settings(tmp_path / "reference", *regenerating))
+    layers = hidden_cache.read_index(str(cfg.data.cache.dir))["layers"]
+    assert hidden_cache.write(reference, target, layers, train_set, eval_set, PartialState(cpu=True))["reused"] == 0
+    names = sorted(name for name in os.listdir(tmp_path / "reference") if name.endswith(".safetensors"))
+    assert names == sorted(name for name in os.listdir(tmp_path / "cache") if name.endswith(".safetensors"))
+    for name in names:
+        mine, computed = load_file(tmp_path / "cache" / name), load_file(tmp_path / "reference" / name)
+        for key in ("greedy", "aux_offsets", "final_offsets"):
+            assert torch.equal(mine[key], computed[key]), (name, key)
+        for key in ("aux", "final"):
+            torch.testing.assert_close(mine[key].float(), computed[key].float(), rtol=2**-7, atol=2**-7)

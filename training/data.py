@@ -264,9 +264,35 @@ def _find_content(text: str, content: str, start: int, tokenizer) -> tuple[int, 
     )
 
 
+def closing_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The tokens the chat template puts after an answer (``<|im_end|>\\n`` for ChatML) and their
+    loss mask, which is 1 on the first non-blank one: the token that closes the turn."""
+    turns = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "x"}]
+    text = _chat_text(tokenizer, turns)
+    _, end = _find_content(text, "x", len(_chat_text(tokenizer, turns[:1], add_generation_prompt=True)), tokenizer)
+    ids = tokenizer(text[end:], add_special_tokens=False)["input_ids"]
+    blank = [not tokenizer.decode([token]).strip() for token in ids]
+    first = blank.index(False) if False in blank else len(ids)
+    return ids, [int(k == first) for k in range(len(ids))]
+
+
+def _render_regenerated(tokenizer, conversation: Conversation, max_length: int) -> dict:
+    """A regenerated conversation as the target produced it: the prompt ids it was given, the answer
+    ids it emitted (not a re-tokenization of their text, which differs for ~15% of ShareGPT answers
+    cut at max_new_tokens: docs/training.md), then the template's closing tokens."""
+    prompt = _chat_text(tokenizer, conversation[:-1], add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    answer = conversation[-1]["token_ids"]
+    closing, closing_mask = closing_tokens(tokenizer)
+    ids = prompt_ids + answer + closing
+    mask = [0] * len(prompt_ids) + [1] * len(answer) + closing_mask
+    return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
+
+
 def render(tokenizer, conversation: Conversation, max_length: int) -> dict | None:
     """Token ids of the chat-templated conversation and a loss mask that is 1 exactly on the
-    assistant contents and on the token closing each assistant turn (e.g. ``<|im_end|>``).
+    assistant contents and on the token closing each assistant turn (e.g. ``<|im_end|>``); a
+    regenerated conversation (its answer carries ``token_ids``) keeps the target's own tokens.
 
     The mask is built from character spans, not from token counts of partial renders, so it is
     exact however the tokenizer merges across turn boundaries: each answer is located in the full
@@ -279,6 +305,9 @@ def render(tokenizer, conversation: Conversation, max_length: int) -> dict | Non
     if not answers:
         return None
     conversation = conversation[: answers[-1] + 1]  # later turns carry no loss
+    if "token_ids" in conversation[-1]:
+        example = _render_regenerated(tokenizer, conversation, max_length)
+        return example if any(example["loss_mask"]) else None
     text = _chat_text(tokenizer, conversation)
 
     spans, cursor = [], 0
@@ -339,9 +368,9 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def _read_partial(path: Path, n: int) -> dict[int, str]:
+def _read_partial(path: Path, n: int) -> dict[int, list[int]]:
     """Answers saved batch by batch by an interrupted run; a torn last line is ignored."""
-    done: dict[int, str] = {}
+    done: dict[int, list[int]] = {}
     if path.exists():
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
@@ -349,7 +378,7 @@ def _read_partial(path: Path, n: int) -> dict[int, str]:
             except json.JSONDecodeError:
                 break
             if 0 <= entry["i"] < n:
-                done[entry["i"]] = entry["answer"]
+                done[entry["i"]] = entry["token_ids"]
     return done
 
 
@@ -365,6 +394,7 @@ def regenerate(
     temperature: float = 0.0,
     max_prompt_tokens: int | None = None,
     max_minutes: float | None = None,
+    capture=None,
 ) -> list[Conversation]:
     """Self-distillation: replace the answers by the target's own.
 
@@ -379,10 +409,14 @@ def regenerate(
     With ``max_minutes`` (a budget for this process's regeneration), batches stop once it is spent
     and only the prompts answered by then are kept: as much data as the machine affords in that time.
 
-    Greedy when temperature == 0. The answers are cached in ``cache_dir`` under a hash of the
-    target id, the prompts, max_new_tokens, temperature, the chat template and the budget; a
-    finished run is reused as is (a budgeted one with the answers it had), an interrupted one
-    resumes from the batches it saved.
+    Greedy when temperature == 0. The answers (their token ids: training learns the tokens the
+    target emitted) are cached in ``cache_dir`` under a hash of the target id, the prompts,
+    max_new_tokens, temperature, the chat template and the budget; a finished run is reused as is
+    (a budgeted one with the answers it had), an interrupted one resumes from the batches it saved.
+
+    With ``capture`` (a `hidden_cache.RegenCapture`) the batches also save, beside the answers,
+    the hidden states the dump would compute for each training sequence, so that the dump does
+    not run the target over them again.
     """
     _require_template(tokenizer)
     prompts = [_prompt(c) for c in conversations]
@@ -395,15 +429,17 @@ def regenerate(
         prompts = kept
     budget = [] if max_minutes is None else [max_minutes]  # unbudgeted caches keep their keys
     key_source = json.dumps(
-        [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template, *budget], ensure_ascii=False
+        [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template, *budget, "token_ids"], ensure_ascii=False
     )
     key = hashlib.sha256(key_source.encode()).hexdigest()[:16]
     cache = Path(cache_dir) / f"regenerated-{key}.json"
     partial = cache.with_name(cache.stem + ".partial.jsonl")
+    if capture is not None:
+        capture.directory = cache.with_name(f"{cache.stem}.states-{capture.key}")
 
     if cache.exists():
         try:
-            stored = json.loads(cache.read_text(encoding="utf-8"))["answers"]
+            stored = json.loads(cache.read_text(encoding="utf-8"))["token_ids"]
             answers = {i: answer for i, answer in enumerate(stored) if answer is not None}
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
             raise UserError(f"regenerated data {cache} is unreadable ({error}): delete it to regenerate") from None
@@ -413,32 +449,35 @@ def regenerate(
         answers = _read_partial(partial, len(prompts))
         if answers:
             logger.info("resuming regeneration: %d/%d answers already in %s", len(answers), len(prompts), partial)
-        _generate(model, tokenizer, prompts, answers, partial, max_new_tokens, batch_size, temperature, max_minutes)
+        _generate(model, tokenizer, prompts, answers, partial, max_new_tokens, batch_size, temperature, max_minutes, capture)
         with atomic_file(str(cache), key="regenerated data") as partial_file, open(partial_file, "w",
                                                                                   encoding="utf-8") as handle:
             json.dump({"target_id": target_id, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                       "max_minutes": max_minutes, "answers": [answers.get(i) for i in range(len(prompts))]},
+                       "max_minutes": max_minutes, "token_ids": [answers.get(i) for i in range(len(prompts))]},
                       handle, ensure_ascii=False)
         partial.unlink(missing_ok=True)
         logger.info("regenerated %d answers into %s", len(answers), cache)
     if len(answers) < len(prompts):
         logger.info("regeneration: %d of %d prompts answered within data.regen.max_minutes=%s", len(answers),
                     len(prompts), max_minutes)
-    return [prompt + [{"role": "assistant", "content": answers[i]}] for i, prompt in enumerate(prompts) if i in answers]
+    return [prompt + [{"role": "assistant", "content": tokenizer.decode(answers[i]), "token_ids": answers[i]}]
+            for i, prompt in enumerate(prompts) if i in answers]
 
 
 # under a time budget, prompts are length-sorted within windows of this many batches of the data's order
 BUDGET_WINDOW_BATCHES = 8
 
 
-def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
-              max_new_tokens: int, batch_size: int, temperature: float, max_minutes: float | None) -> None:
-    """Fill ``answers`` for the prompts not in it yet, appending each batch to ``partial``; with
-    ``max_minutes``, no batch starts once they have passed (the first always runs: no data is no run)."""
+def _generate(model, tokenizer, prompts, answers: dict[int, list[int]], partial: Path, max_new_tokens: int,
+              batch_size: int, temperature: float, max_minutes: float | None, capture=None) -> None:
+    """Fill ``answers`` for the prompts not in it yet, appending each batch to ``partial`` (its
+    states, with ``capture``, saved first); with ``max_minutes``, no batch starts once they have
+    passed (the first always runs: no data is no run)."""
     texts = [_chat_text(tokenizer, p, add_generation_prompt=True) for p in prompts]
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    closing = closing_tokens(tokenizer)[0] if capture is not None else None
     # Longest first: batches of similar length waste less on padding, and a prompt too long
     # for memory fails at once rather than at the end. Under a budget, longest first within
     # windows of the data's order, so that what is answered in time is not just the longest prompts.
@@ -454,10 +493,14 @@ def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
                 break
             batch = todo[start : start + batch_size]
             ids, mask = _left_pad([token_ids[i] for i in batch], pad_id)
-            rows = _decode(model, ids.to(model.device), mask.to(model.device), max_new_tokens, eos, temperature)
+            rows, states = _decode(model, ids.to(model.device), mask.to(model.device), max_new_tokens, eos, temperature,
+                                   capture, closing)
+            if capture is not None:
+                capture.save([token_ids[i] + row + closing for i, row in zip(batch, rows)],
+                             [len(token_ids[i]) - 1 for i in batch], states)
             for i, row in zip(batch, rows):
-                answers[i] = tokenizer.decode(row, skip_special_tokens=False)
-                log.write(json.dumps({"i": i, "answer": answers[i]}, ensure_ascii=False) + "\n")
+                answers[i] = row
+                log.write(json.dumps({"i": i, "token_ids": row}) + "\n")
             log.flush()
             produced += sum(len(row) for row in rows)
             answered += len(batch)
@@ -466,49 +509,85 @@ def _generate(model, tokenizer, prompts, answers: dict[int, str], partial: Path,
             bar.set_postfix(tok_s=f"{produced / elapsed:.0f}",  # a budgeted run ends with its budget, not its prompts
                             **({} if max_minutes is None else {"budget_min_left": f"{max(max_minutes - elapsed / 60, 0):.1f}"}))
     if answered:
-        logger.info("regeneration: %d answers, %d tokens in %.0f s (%.0f tokens/s)", answered, produced,
-                    time.perf_counter() - began, produced / (time.perf_counter() - began))
+        logger.info("regeneration: %d answers, %d tokens in %.0f s (%.0f tokens/s)%s", answered, produced,
+                    time.perf_counter() - began, produced / (time.perf_counter() - began),
+                    f"; their hidden states kept in {capture.directory}" if capture is not None else "")
 
 
-def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: set[int],
-            temperature: float) -> list[list[int]]:
+def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, eos: set[int], temperature: float,
+            capture=None, closing: list[int] | None = None) -> tuple[list[list[int]], list[dict]]:
     """The answers to a batch of left-padded prompts, each up to (not including) its end token:
     greedy, or sampled at `temperature`. Faster than `generate` on CPU (measured, SmolLM2, batch
     64: docs): the KV cache is written by position, not concatenated at every token; the lm_head
     reads each row's last hidden state as a contiguous [B, H] (a bf16 linear on the strided
     [B, 1, H] view `generate` passes runs ~250x slower on CPU: 7-12 s a batch); rows that finished
-    leave the batch once a quarter of it has."""
+    leave the batch once a quarter of it has.
+
+    With `capture` (its `target` and `layers`), each answer also gets what the hidden-state dump
+    would compute over its training sequence, prompt + answer + `closing` (the template's tokens
+    after an answer, fed once the answer has ended): "aux" [tokens, layers, H], the states entering
+    the layers at every token; "final" [answer + 1, H] and "greedy", the final state and the
+    target's greedy token at each position from the prompt's last token to the answer's last, where
+    training reads its teacher. Otherwise the states are an empty list."""
     body, head = model.get_decoder(), model.get_output_embeddings()
     cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     cache = Cache(layer_class_to_replicate=BufferedLayer)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).last_hidden_state
+
+    def forward(tokens: torch.Tensor):
+        if capture is None:
+            return [], body(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                            use_cache=True).last_hidden_state
+        aux, final = capture.target.capture(tokens, mask, capture.layers, cache=cache, position_ids=positions)
+        return torch.stack(aux, 2), final  # [B, T, layers, H]
+
+    aux, hidden = forward(ids)
     rows: list[list[int]] = [[] for _ in range(len(ids))]
+    states = [] if capture is None else [{"aux": [aux[row, mask[row].bool()]], "final": [], "greedy": []}
+                                         for row in range(len(ids))]
     live = list(range(len(ids)))  # the answer each batch row writes; None once it has ended
-    for step in range(max_new_tokens):
-        logits = head(hidden[:, -1].contiguous()).float()
+    closing_left: list[list[int] | None] = [None] * len(ids)  # once a row's answer ended: closing tokens to feed
+    while True:
+        last = hidden[:, -1].contiguous()
+        logits = head(last).float()
         if cap:  # Gemma-style soft-capping, as the model's own forward applies it
             logits = torch.tanh(logits / cap) * cap
         tokens = (logits.argmax(-1) if temperature <= 0
                   else torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(1))
         for row, token in enumerate(tokens.tolist()):
-            if live[row] is not None:
-                if token in eos:
-                    live[row] = None
-                else:
-                    rows[live[row]].append(token)
+            answer = live[row]
+            if answer is None:
+                continue
+            if closing_left[row] is None:  # still answering: `last` is a teacher position
+                if capture is not None:
+                    states[answer]["final"].append(last[row])
+                    states[answer]["greedy"].append(token)
+                if token not in eos and len(rows[answer]) < max_new_tokens:
+                    rows[answer].append(token)
+                    if capture is None and len(rows[answer]) == max_new_tokens:
+                        live[row] = None  # nothing more to read from this row
+                    continue
+                closing_left[row] = list(closing) if capture is not None else []
+            if closing_left[row]:
+                tokens[row] = closing_left[row].pop(0)
+            else:
+                live[row] = None
         going = [row for row, answer in enumerate(live) if answer is not None]
-        if not going or step + 1 == max_new_tokens:
+        if not going:
             break
         if len(going) <= 0.75 * len(live):  # one copy of the cache per quarter of the batch that ended
             keep = torch.tensor(going, device=ids.device)
             cache.batch_select_indices(keep)
-            mask, positions, tokens, live = mask[keep], positions[keep], tokens[keep], [live[row] for row in going]
+            mask, positions, tokens = mask[keep], positions[keep], tokens[keep]
+            live, closing_left = [live[row] for row in going], [closing_left[row] for row in going]
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
         positions = positions[:, -1:] + 1
-        hidden = body(input_ids=tokens[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                      use_cache=True).last_hidden_state
-    return rows
+        aux, hidden = forward(tokens[:, None])
+        for row, answer in enumerate(live):
+            if capture is not None and answer is not None:
+                states[answer]["aux"].append(aux[row, 0, None])
+    return rows, [{"aux": torch.cat(s["aux"]), "final": torch.stack(s["final"]),
+                   "greedy": torch.tensor(s["greedy"], dtype=torch.int32)} for s in states]
 
 
 # --------------------------------------------------------------------------- datasets
@@ -553,7 +632,8 @@ def build_datasets(
         if example is None:
             stats["skipped_no_loss"] += 1
             continue
-        digest = hashlib.sha256(f"{seed}\0{json.dumps(conversation, ensure_ascii=False)}".encode()).hexdigest()
+        text = [{"role": turn["role"], "content": turn["content"]} for turn in conversation]  # a side is kept by its text
+        digest = hashlib.sha256(f"{seed}\0{json.dumps(text, ensure_ascii=False)}".encode()).hexdigest()
         rendered.append((digest, example))
     if len(rendered) < 2:  # one to train on and one to evaluate, or every eval figure is made up
         raise UserError(f"{len(rendered)} usable conversation(s) after rendering with max_length={max_length}: "

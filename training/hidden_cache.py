@@ -25,6 +25,7 @@ import json
 import logging
 import os
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -191,16 +192,72 @@ class HiddenCache:
         return [aux[:, :, k] for k in range(layers)], final, greedy.to(device)
 
 
+class RegenCapture:
+    """The hidden states regeneration computes anyway, kept for this cache: while the target answers
+    a batch (`data.regenerate` with a cached run), the states the dump would compute over each
+    training sequence are saved beside the answers, one file per batch, and the dump reads them
+    instead of running the target over the data again (the long preset's dump took 17 of its 115
+    minutes: docs/training.md). A sequence is found by its token ids; one whose teacher positions
+    are not all stored (e.g. `data.loss_on=all`), or whose batch was answered without a capture,
+    is computed by the target as before."""
+
+    def __init__(self, target, layers: list[int], max_length: int):
+        self.target, self.layers, self.max_length = target, [int(k) for k in layers], max_length
+        what = [self.layers, str(target.lm_head_weight.dtype), max_length]  # the answers' key names the target
+        self.key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]
+        self.directory: Path | None = None  # set by data.regenerate: beside the answers it caches
+        self._where: dict[str, tuple[str, int]] | None = None
+
+    @staticmethod
+    def _name(input_ids) -> str:
+        return hashlib.sha256(torch.as_tensor(input_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+    def save(self, sequences: list[list[int]], first_teachers: list[int], states: list[dict]) -> None:
+        """One regeneration batch: `states` as data._decode returns them for these training sequences,
+        whose first teacher position (their prompt's last token) is `first_teachers`."""
+        kept = [{**s, "aux": s["aux"][: self.max_length]} for s in states]
+        names = [self._name(ids[: self.max_length]) for ids in sequences]
+        tensors = {name: torch.cat([s[name] for s in kept]).cpu().contiguous() for name in ("aux", "final", "greedy")}
+        for name in ("aux", "final"):
+            tensors[f"{name}_offsets"] = torch.tensor([0, *[len(s[name]) for s in kept]]).cumsum(0)
+        tensors["first_teacher"] = torch.tensor(first_teachers)
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"batch-{hashlib.sha256(''.join(names).encode()).hexdigest()[:16]}.safetensors")
+        with atomic_file(path, key="regenerated data") as partial:
+            save_file(tensors, partial, metadata={"sequences": json.dumps(names)})
+
+    def states(self, input_ids, loss_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(aux [tokens, layers, H], final and greedy at the teacher positions) of one sequence, or None."""
+        if self._where is None:
+            self._where = {}
+            for path in sorted(Path(self.directory).glob("batch-*.safetensors")) if self.directory else []:
+                with safe_open(str(path), framework="pt") as handle:
+                    for row, name in enumerate(json.loads(handle.metadata()["sequences"])):
+                        self._where[name] = (str(path), row)
+        found = self._where.get(self._name(input_ids))
+        if found is None:
+            return None
+        (path, row), positions = found, teacher_positions(loss_mask)
+        handle, aux_offsets, final_offsets = _open_shard(path)
+        final_start, final_end = final_offsets[row], final_offsets[row + 1]
+        rows = positions - int(handle.get_slice("first_teacher")[row : row + 1][0])
+        if len(rows) and (rows.min() < 0 or rows.max() >= final_end - final_start):
+            return None
+        return (handle.get_slice("aux")[aux_offsets[row] : aux_offsets[row + 1]],
+                handle.get_slice("final")[final_start:final_end][rows], handle.get_slice("greedy")[final_start:final_end][rows])
+
+
 def check_destination(directory: str) -> None:
     """Refuse, before any work, a cache directory that is not safe to write or already holds other files."""
     writes.check_destination(directory, key="data.cache.dir")
     check_cache_dir(directory)
 
 
-def write(cfg: DictConfig, target, layers: list[int], train_set, eval_set, state) -> dict:
-    """Run the target over the data and write this process's missing shards of `data.cache.dir`
-    (`state`: Accelerate's process state; process r writes shards r, r + N, ...); returns how many
-    it wrote and skipped, and on the main process the finished cache's stats."""
+def write(cfg: DictConfig, target, layers: list[int], train_set, eval_set, state, regenerated: RegenCapture | None = None) -> dict:
+    """Run the target over the data (but over no sequence whose states `regenerated` kept) and
+    write this process's missing shards of `data.cache.dir` (`state`: Accelerate's process state;
+    process r writes shards r, r + N, ...); returns how many it wrote and skipped, and on the main
+    process the finished cache's stats."""
     # the shard size is part of what a resumed dump must agree on, not of what training checks
     expected = {**identity(cfg, target, layers, train_set, eval_set),
                 "shard_sequences": int(cfg.data.cache.shard_sequences)}
@@ -213,21 +270,22 @@ def write(cfg: DictConfig, target, layers: list[int], train_set, eval_set, state
     datasets = {"train": train_set, "eval": eval_set}
     mine = [(split, shard) for split, dataset in datasets.items()
             for shard in range(state.process_index, shard_count(len(dataset), expected["shard_sequences"]), state.num_processes)]
-    written = skipped = 0
+    written = skipped = reused = 0
     for split, shard in tqdm(mine, desc="dump", unit="shard", disable=not state.is_main_process, dynamic_ncols=True):
         path = shard_path(directory, split, shard)
         if os.path.exists(path):
             skipped += 1
             continue
-        write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path)
+        reused += write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path, regenerated)
         written += 1
         log.info("dump: wrote %s", os.path.basename(path))
-    log.info("dump process %d: wrote %d shards, skipped %d complete ones", state.process_index, written, skipped)
+    log.info("dump process %d: wrote %d shards, skipped %d complete ones; %d sequences from the states regeneration "
+             "kept, the others computed by the target", state.process_index, written, skipped, reused)
     state.wait_for_everyone()
     stats = finish(directory, expected) if state.is_main_process else None
     if stats:
         log.info("dump complete in %s: %s", directory, stats)
-    return {"written": written, "skipped": skipped, "cache": stats}
+    return {"written": written, "skipped": skipped, "reused": reused, "cache": stats}
 
 
 def check_cache_dir(directory: str) -> None:
@@ -252,14 +310,32 @@ def begin(directory: str, expected: dict) -> None:
     remove_stale_partials(directory, every_name=True)  # shards a killed writer left half-written
 
 
-def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str) -> None:
+def _encoded(aux: torch.Tensor, final: torch.Tensor, greedy: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """One sequence as a shard stores it: aux [tokens, layers, H]; final and greedy at its teacher positions."""
+    stored = {"greedy": greedy.to(torch.int32).cpu()}
+    for name, vectors in (("aux", aux), ("final", final)):
+        values, scale = encode(vectors, dtype)  # on the target's device
+        stored[name] = values.cpu()
+        if scale is not None:
+            stored[f"{name}_scale"] = scale.cpu()
+    return stored
+
+
+def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str,
+                regenerated: RegenCapture | None = None) -> int:
+    """Write one shard; returns how many of its sequences came from the states `regenerated` kept."""
     per_shard, dtype = int(cache_cfg.shard_sequences), str(cache_cfg.dtype)
     first = shard * per_shard
     indices = list(range(first, min(first + per_shard, len(dataset))))
+    encoded: dict[int, dict[str, torch.Tensor]] = {}
+    for index in indices if regenerated is not None else []:
+        kept = regenerated.states(dataset[index]["input_ids"], dataset[index]["loss_mask"])
+        if kept is not None:
+            encoded[index] = _encoded(*kept, dtype)
     # the target runs over batches of similar lengths (the full preset's data: 1.11x the real tokens
     # computed instead of 1.49x in dataset order); the shard stores its sequences in dataset order
-    by_length = sorted(indices, key=lambda i: len(dataset[i]["input_ids"]))
-    encoded: dict[int, dict[str, torch.Tensor]] = {}
+    by_length = sorted((i for i in indices if i not in encoded), key=lambda i: len(dataset[i]["input_ids"]))
+    reused = len(encoded)
     for start in range(0, len(by_length), int(cache_cfg.batch_size)):
         chunk = by_length[start : start + int(cache_cfg.batch_size)]
         batch = {name: tensor.to(target.device) for name, tensor in data.collate([dataset[i] for i in chunk], pad_id).items()}
@@ -268,12 +344,7 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
         for row, index in enumerate(chunk):
             tokens = int(batch["attention_mask"][row].sum())
             positions = teacher_positions(batch["loss_mask"][row, :tokens])
-            encoded[index] = {"greedy": target.argmax(final[row, positions]).to(torch.int32).cpu()}
-            for name, vectors in (("aux", aux[row, :tokens]), ("final", final[row, positions])):
-                values, scale = encode(vectors, dtype)  # on the target's device
-                encoded[index][name] = values.cpu()
-                if scale is not None:
-                    encoded[index][f"{name}_scale"] = scale.cpu()
+            encoded[index] = _encoded(aux[row, :tokens], final[row, positions], target.argmax(final[row, positions]), dtype)
     parts = {name: [encoded[i][name] for i in indices] for name in encoded[indices[0]]}
     lengths = {name: [len(encoded[i][name]) for i in indices] for name in ("aux", "final")}
     tensors = {name: torch.cat(chunks) for name, chunks in parts.items()}
@@ -281,6 +352,7 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
         tensors[f"{name}_offsets"] = torch.tensor([0, *counts]).cumsum(0)
     with atomic_file(path, key="data.cache.dir") as partial:  # complete or absent: what a restart relies on
         save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices))})
+    return reused
 
 
 def finish(directory: str, expected: dict) -> dict:

@@ -10,7 +10,6 @@ import logging.handlers
 import math
 import multiprocessing
 import os
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -36,8 +35,9 @@ from training.schedule import TimeBudget, eval_due, make_optimizers, make_schedu
 log = logging.getLogger("training")
 
 
-def prepare_data(cfg: DictConfig, target):
-    """Conversations -> (optionally regenerated) -> rendered train/eval datasets."""
+def prepare_data(cfg: DictConfig, target, capture: hidden_cache.RegenCapture | None = None):
+    """Conversations -> (optionally regenerated, keeping their hidden states with `capture`) ->
+    rendered train/eval datasets."""
     conversations, stats = data.load_conversations(cfg.data.path, cfg.data.max_samples)
     log.info("data: %s", json.dumps(stats))
     if stats["prompt_only"] == stats["loaded"] and not cfg.data.regenerate:
@@ -56,6 +56,7 @@ def prepare_data(cfg: DictConfig, target):
             target_id=f"{target.spec.name}:{target.fingerprint}",
             # leave the answer room within the training length
             max_prompt_tokens=max(cfg.data.max_length - cfg.data.regen.max_new_tokens, 64),
+            capture=capture,
         )
     train_set, eval_set, split = data.build_datasets(
         conversations,
@@ -120,11 +121,22 @@ def dump(cfg: DictConfig) -> dict:
     target = load_target(cfg.target, state.device)
     chosen = precision.resolve(cfg.target.get("dtype", "auto"), state.device)
     log.info("precision: %s for the target; %s", chosen.describe(), chosen.hardware.describe())
+    layers = drafter_layers(cfg, target)
+    # regeneration keeps the states of what it answers, so the dump need not compute them again
+    capture = (hidden_cache.RegenCapture(target, layers, cfg.data.max_length)
+               if cfg.data.regenerate and cfg.data.loss_on == "answers" else None)
     with distributed.main_process_first(state):  # the main process writes the data caches, the others read them
-        train_set, eval_set = prepare_data(cfg, target)
-    with tempfile.TemporaryDirectory() as scratch:  # the drafter is built only to learn its capture layers
-        layers = build_model(cfg, target, train_set, scratch)[0].capture_layers()
-    return hidden_cache.write(cfg, target, layers, train_set, eval_set, state)
+        train_set, eval_set = prepare_data(cfg, target, capture)
+    return hidden_cache.write(cfg, target, layers, train_set, eval_set, state, capture)
+
+
+def drafter_layers(cfg: DictConfig, target) -> list[int]:
+    """The target layers the drafter reads, known before any data: the drafter is built on a
+    placeholder vocabulary only to ask."""
+    if cfg.drafter.get("init_from"):
+        return artifact.start_from(cfg.drafter.init_from, cfg.drafter, target)[0].capture_layers()
+    placeholder = build_draft_vocab([], target.spec.vocab_size, int(cfg.drafter.draft_vocab_size), {})
+    return build_drafter(cfg.drafter, target, placeholder).capture_layers()
 
 
 def _log_to(queue) -> None:
