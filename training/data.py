@@ -264,7 +264,7 @@ def _find_content(text: str, content: str, start: int, tokenizer) -> tuple[int, 
     )
 
 
-def closing_tokens(tokenizer) -> tuple[list[int], list[int]]:
+def _closing_tokens(tokenizer) -> tuple[list[int], list[int]]:
     """The tokens the chat template puts after an answer (``<|im_end|>\\n`` for ChatML) and their
     loss mask, which is 1 on the first non-blank one: the token that closes the turn."""
     turns = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "x"}]
@@ -278,12 +278,12 @@ def closing_tokens(tokenizer) -> tuple[list[int], list[int]]:
 
 def _render_regenerated(tokenizer, conversation: Conversation, max_length: int) -> dict:
     """A regenerated conversation as the target produced it: the prompt ids it was given, the answer
-    ids it emitted (not a re-tokenization of their text, which differs for ~15% of ShareGPT answers
-    cut at max_new_tokens: docs/training.md), then the template's closing tokens."""
+    ids it emitted (not a re-tokenization of their text, which differs for 16% of ShareGPT answers,
+    those cut at max_new_tokens: docs/training.md), then the template's closing tokens."""
     prompt = _chat_text(tokenizer, conversation[:-1], add_generation_prompt=True)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer = conversation[-1]["token_ids"]
-    closing, closing_mask = closing_tokens(tokenizer)
+    closing, closing_mask = _closing_tokens(tokenizer)
     ids = prompt_ids + answer + closing
     mask = [0] * len(prompt_ids) + [1] * len(answer) + closing_mask
     return {"input_ids": ids[:max_length], "loss_mask": mask[:max_length]}
@@ -428,6 +428,7 @@ def regenerate(
             logger.info("regeneration: dropped %d prompts longer than %d tokens", len(prompts) - len(kept), max_prompt_tokens)
         prompts = kept
     budget = [] if max_minutes is None else [max_minutes]  # unbudgeted caches keep their keys
+    # "token_ids": the answers are stored as ids; a cache of texts (before 2026-12-05) is not reused
     key_source = json.dumps(
         [target_id, prompts, max_new_tokens, temperature, tokenizer.chat_template, *budget, "token_ids"], ensure_ascii=False
     )
@@ -477,7 +478,7 @@ def _generate(model, tokenizer, prompts, answers: dict[int, list[int]], partial:
     token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    closing = closing_tokens(tokenizer)[0] if capture is not None else None
+    closing = _closing_tokens(tokenizer)[0] if capture is not None else None
     # Longest first: batches of similar length waste less on padding, and a prompt too long
     # for memory fails at once rather than at the end. Under a budget, longest first within
     # windows of the data's order, so that what is answered in time is not just the longest prompts.
@@ -554,14 +555,17 @@ def _decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, e
             logits = torch.tanh(logits / cap) * cap
         tokens = (logits.argmax(-1) if temperature <= 0
                   else torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(1))
-        for row, token in enumerate(tokens.tolist()):
+        chosen = tokens.tolist()
+        # the teacher is the target's greedy token, whatever was sampled
+        greedy = logits.argmax(-1).tolist() if capture is not None and temperature > 0 else chosen
+        for row, token in enumerate(chosen):
             answer = live[row]
             if answer is None:
                 continue
             if closing_left[row] is None:  # still answering: `last` is a teacher position
                 if capture is not None:
                     states[answer]["final"].append(last[row])
-                    states[answer]["greedy"].append(token)
+                    states[answer]["greedy"].append(greedy[row])
                 if token not in eos and len(rows[answer]) < max_new_tokens:
                     rows[answer].append(token)
                     if capture is None and len(rows[answer]) == max_new_tokens:

@@ -16,6 +16,11 @@ Teacher positions are those whose next token is trained on (loss_mask[t + 1] = 1
 places any loss or metric reads the teacher, whose logits are recomputed from `final` through
 the target's lm_head; the greedy tokens spare training the full-vocabulary argmax. No padding,
 input ids or logits are stored: the data hash pins the tokens.
+
+Where the data is regenerated, the dump copies most sequences from the states regeneration kept
+(`RegenCapture`: `<regenerated answers>.states-<key>/batch-*.safetensors`, the same fields per
+batch plus `first_teacher`, found by a hash of each sequence's token ids) instead of running the
+target over them again.
 """
 
 from __future__ import annotations
@@ -270,17 +275,17 @@ def write(cfg: DictConfig, target, layers: list[int], train_set, eval_set, state
     datasets = {"train": train_set, "eval": eval_set}
     mine = [(split, shard) for split, dataset in datasets.items()
             for shard in range(state.process_index, shard_count(len(dataset), expected["shard_sequences"]), state.num_processes)]
-    written = skipped = reused = 0
+    written = skipped = reused = computed = 0
     for split, shard in tqdm(mine, desc="dump", unit="shard", disable=not state.is_main_process, dynamic_ncols=True):
         path = shard_path(directory, split, shard)
         if os.path.exists(path):
             skipped += 1
             continue
-        reused += write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path, regenerated)
-        written += 1
+        copied, ran = write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path, regenerated)
+        reused, computed, written = reused + copied, computed + ran, written + 1
         log.info("dump: wrote %s", os.path.basename(path))
-    log.info("dump process %d: wrote %d shards, skipped %d complete ones; %d sequences from the states regeneration "
-             "kept, the others computed by the target", state.process_index, written, skipped, reused)
+    log.info("dump process %d: wrote %d shards (%d sequences run through the target, %d copied from the states "
+             "regeneration kept), skipped %d complete ones", state.process_index, written, computed, reused, skipped)
     state.wait_for_everyone()
     stats = finish(directory, expected) if state.is_main_process else None
     if stats:
@@ -322,8 +327,9 @@ def _encoded(aux: torch.Tensor, final: torch.Tensor, greedy: torch.Tensor, dtype
 
 
 def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str,
-                regenerated: RegenCapture | None = None) -> int:
-    """Write one shard; returns how many of its sequences came from the states `regenerated` kept."""
+                regenerated: RegenCapture | None = None) -> tuple[int, int]:
+    """Write one shard; returns how many of its sequences were copied from the states `regenerated`
+    kept and how many the target ran over."""
     per_shard, dtype = int(cache_cfg.shard_sequences), str(cache_cfg.dtype)
     first = shard * per_shard
     indices = list(range(first, min(first + per_shard, len(dataset))))
@@ -335,7 +341,6 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
     # the target runs over batches of similar lengths (the full preset's data: 1.11x the real tokens
     # computed instead of 1.49x in dataset order); the shard stores its sequences in dataset order
     by_length = sorted((i for i in indices if i not in encoded), key=lambda i: len(dataset[i]["input_ids"]))
-    reused = len(encoded)
     for start in range(0, len(by_length), int(cache_cfg.batch_size)):
         chunk = by_length[start : start + int(cache_cfg.batch_size)]
         batch = {name: tensor.to(target.device) for name, tensor in data.collate([dataset[i] for i in chunk], pad_id).items()}
@@ -352,7 +357,7 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
         tensors[f"{name}_offsets"] = torch.tensor([0, *counts]).cumsum(0)
     with atomic_file(path, key="data.cache.dir") as partial:  # complete or absent: what a restart relies on
         save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices))})
-    return reused
+    return len(indices) - len(by_length), len(by_length)
 
 
 def finish(directory: str, expected: dict) -> dict:
