@@ -262,3 +262,11 @@ def test_a_regenerating_dump_reads_the_states_regeneration_kept(tmp_path):
             assert torch.equal(mine[key], computed[key]), (name, key)
         for key in ("aux", "final"):
             torch.testing.assert_close(mine[key].float(), computed[key].float(), rtol=2**-7, atol=2**-7)
+
+
+def test_an_unreadable_kept_state_file_is_one_line(tmp_path, varied_target):
+    capture = hidden_cache.RegenCapture(varied_target, [1], max_length=64)
+    capture.directory = tmp_path
+    (tmp_path / "batch-0123.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="batch-0123.safetensors are unreadable .*delete the file"):
+        capture.states([1, 2, 3], [0, 1, 1])

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -236,9 +236,13 @@ class RegenCapture:
         if self._where is None:
             self._where = {}
             for path in sorted(Path(self.directory).glob("batch-*.safetensors")) if self.directory else []:
-                with safe_open(str(path), framework="pt") as handle:
-                    for row, name in enumerate(json.loads(handle.metadata()["sequences"])):
-                        self._where[name] = (str(path), row)
+                try:
+                    with safe_open(str(path), framework="pt") as handle:
+                        for row, name in enumerate(json.loads(handle.metadata()["sequences"])):
+                            self._where[name] = (str(path), row)
+                except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as error:
+                    raise UserError(f"regenerated hidden states {path} are unreadable ({error}): delete the file, "
+                                    "and the dump runs the target over its sequences") from None
         found = self._where.get(self._name(input_ids))
         if found is None:
             return None
