@@ -30,7 +30,7 @@ from drafters.base import Captured, register
 from drafters.config import settings
 from drafters.config.settings import above, at_least
 from drafters.layers import DraftCache, TargetNorm
-from drafters.losses import distill, trained_positions
+from drafters.losses import distill, shifted_teacher, trained_positions
 from drafters.proposal import ParallelDrafter
 
 
@@ -91,13 +91,13 @@ class Medusa(ParallelDrafter):
         length = batch["input_ids"].shape[1]
         hidden = self.hidden(captured.aux)
         predicts = trained_positions(batch, captured)
-        teacher = torch.softmax(captured.teacher_logits.float(), -1)
+        teacher = shifted_teacher(captured, predicts)
         total, metrics = 0.0, {}
         for k, (block, lm_head) in enumerate(zip(self.blocks, self.lm_heads), 1):
             # head k at t predicts token t+1+k: the teacher at t+k
             rows = predicts[:, k:]
             logits = lm_head(block(hidden[:, : length - k][rows]))
-            head_loss, metrics[f"acc/{k}"] = distill(logits, teacher[:, k:][rows], captured.teacher_token[:, k:][rows],
+            head_loss, metrics[f"acc/{k}"] = distill(logits, teacher(k), captured.teacher_token[:, k:][rows],
                                                      self.cfg.get("loss", "soft_ce"))
             total = total + float(self.cfg.loss_decay) ** (k - 1) * head_loss
             metrics[f"loss/{k}"] = head_loss.detach()

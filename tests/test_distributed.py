@@ -7,14 +7,19 @@ with one line."""
 
 import itertools
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import ROOT, one_line_error, run_cli
+from conftest import ROOT, one_line_error, records, run_cli
+from drafters.config.errors import UserError
+from training.distributed import compiles
 
 BASE = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "logger=none", "trainer.precision=fp32",
         "trainer.schedule=constant", "trainer.warmup_steps=3", "trainer.log_every=1", "trainer.eval_every=100",
@@ -39,10 +44,10 @@ def weights(run_dir, step):
     return load_file(os.path.join(run_dir, "checkpoints", f"step-{step}", "model.safetensors"))
 
 
-def assert_same_weights(mine, reference):
+def assert_same_weights(mine, reference, rtol=1e-5, atol=1e-6):
     assert mine.keys() == reference.keys()
     for name, tensor in reference.items():
-        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(mine[name], tensor, rtol=rtol, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,43 @@ def one_process(tmp_path_factory):
     output = launch(run_dir, ADAMW, "trainer.grad_accum=2", "trainer.max_steps=4")
     assert "global batch 2 = 1 per process x 2 accumulation x 1 processes" in output
     return run_dir
+
+
+@pytest.mark.long
+@pytest.mark.xdist_group("one_process")
+@pytest.mark.skipif(not shutil.which("g++"), reason="torch.compile on CPU needs a C++ compiler")
+def test_a_compiled_run_learns_what_the_eager_one_does(one_process, tmp_path):
+    """trainer.compile=true: the same losses step by step and the same weights, within float tolerance
+    (inductor fuses the element-wise work, so not bitwise), saved under the eager run's names."""
+    output = launch(tmp_path, ADAMW, "trainer.grad_accum=2", "trainer.max_steps=4", "trainer.compile=true")
+    assert "runs through torch.compile" in output
+    losses = [[r["train/loss"] for r in records(run) if "train/loss" in r] for run in (tmp_path, one_process)]
+    assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-4)
+    assert_same_weights(weights(tmp_path, 4), weights(one_process, 4), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("wanted, mode, compiler, expected", [
+    (False, "none", "g++", False),
+    (None, "none", "g++", True),
+    (None, "ddp", "g++", True),
+    (None, "zero2", "g++", False),  # null: wherever it can, silently
+    (None, "none", "no-such-c++", False),
+    (True, "none", "g++", True),
+    (True, "zero3", "g++", "trainer.compile=true: not with distributed=zero3"),
+    (True, "none", "no-such-c++", "'no-such-c++' is not on PATH"),
+])
+def test_compile_runs_wherever_it_can_and_refuses_an_explicit_true_where_it_cannot(monkeypatch, wanted, mode, compiler,
+                                                                                      expected):
+    if compiler == "g++" and not shutil.which("g++"):
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv("CXX", compiler)
+    cfg = OmegaConf.create({"trainer": {"compile": wanted}, "distributed": {"name": mode}})
+    if isinstance(expected, str):
+        with pytest.raises(UserError, match=re.escape(expected)):
+            compiles(cfg, "cpu")
+    else:
+        assert compiles(cfg, "cpu") is expected
+    assert compiles(cfg, "cuda") is (wanted is not False and mode in ("none", "ddp"))
 
 
 @pytest.mark.long

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import FAMILIES, compose_train, distilled_setup, random_drafter, trained_on
-from drafters.base import build_drafter, capture
-from drafters.losses import curriculum, divergence
+from drafters.base import Captured, build_drafter, capture
+from drafters.losses import curriculum, divergence, shifted_teacher
 
 
 def test_each_divergence_is_its_formula():
@@ -20,6 +20,20 @@ def test_each_divergence_is_its_formula():
     assert divergence(teacher.log(), teacher, "reverse_kl").abs().max() < 1e-5
     assert divergence(teacher.log(), teacher, "tv").abs().max() < 1e-6
     assert torch.allclose(divergence(teacher.log(), teacher), -(teacher * teacher.log()).sum(-1), atol=1e-5)
+
+
+def test_the_teacher_of_each_shifted_step_is_the_softmax_of_the_whole_batch_at_its_rows():
+    """Computed on the trained positions alone, bit for bit what softmax over the padded batch gives."""
+    torch.manual_seed(0)
+    logits, predicts = torch.randn(3, 37, 500).bfloat16(), torch.rand(3, 37) < 0.5
+    predicts[1] = False  # a row with nothing to learn
+    teacher = shifted_teacher(Captured(aux=[], final=None, teacher_logits=logits, in_vocab=None, teacher_token=None),
+                              predicts)
+    whole = torch.softmax(logits.float(), -1)
+    for shift in range(5):
+        rows = predicts[:, shift:]
+        assert teacher(shift).shape == (int(rows.sum()), 500)
+        assert torch.equal(teacher(shift), whole[:, shift:][rows])
 
 
 @pytest.fixture(scope="module")

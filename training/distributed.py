@@ -8,6 +8,7 @@ or N nodes. Processes talk over gloo on CPU and NCCL on GPUs (RCCL on ROCm, same
 from __future__ import annotations
 
 import os
+import shutil
 from contextlib import contextmanager
 
 import torch
@@ -79,6 +80,28 @@ def check_mode(cfg: DictConfig, device: str, world: int) -> None:
     if mode in ("zero3", "fsdp") and cfg.trainer.eval_accept_prompts > 0:
         raise UserError(f"trainer.eval_accept_prompts needs the whole drafter in each process, which distributed={mode} "
                         "shards: set it to 0 and measure acceptance on the checkpoint with serving.bench")
+
+
+def compiles(cfg: DictConfig, device: str) -> bool:
+    """`trainer.compile` settled: whether the drafter's training forward runs through torch.compile
+    (inductor, dynamic shapes). null: wherever it can, i.e. in one process or under DDP, on a GPU
+    or on a CPU with a C++ compiler to build inductor's kernels; true: refused where it cannot."""
+    wanted = cfg.trainer.get("compile")
+    if wanted is False:
+        return False
+    mode = cfg.distributed.name
+    if mode not in WHOLE_WEIGHTS:
+        if wanted:
+            raise UserError(f"trainer.compile=true: not with distributed={mode} (DeepSpeed and FSDP wrap the "
+                            "drafter their own way); use distributed=ddp (or none), or trainer.compile=false")
+        return False
+    compiler = os.environ.get("CXX", "g++")
+    if device == "cpu" and not shutil.which(compiler):
+        if wanted:
+            raise UserError(f"trainer.compile=true: torch.compile on CPU builds its kernels with a C++ compiler, and "
+                            f"'{compiler}' is not on PATH: install g++ (or set CXX), or pass trainer.compile=false")
+        return False
+    return True
 
 
 def deepspeed_config(cfg: DictConfig, world: int) -> dict:

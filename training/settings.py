@@ -21,6 +21,7 @@ class Trainer:
     batch_size: int = at_least(1)
     grad_accum: int = at_least(1)
     group_by_length: bool = anything()
+    compile: bool | None = anything()  # null: wherever it can (training/distributed.py: compiles)
     optimizer: str = one_of("auto", "adamw", "muon")
     lr: float = at_least(0)  # 0: the weights stay as they start (a check of init_from)
     weight_decay: float = at_least(0)

@@ -330,6 +330,7 @@ def preflight(cfg: DictConfig, run_dir: str) -> tuple[str, artifact.TrainingStat
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
     resumed = preflight(cfg, run_dir)
+    compiled = distributed.compiles(cfg, distributed.platform())  # refused now, not after regeneration
     resume_from, resumed_state = resumed or (None, None)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     precisions = settle_precision(cfg, run_dir)
@@ -351,6 +352,9 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     with distributed.main_process_first(accelerator):  # the main process writes the data and vocab caches, the others read them
         train_set, eval_set = prepare_data(cfg, target)
         drafter, vocab, vocab_key = build_model(cfg, target, train_set, run_dir, resumed)
+    if compiled:  # in place, so the module, its names and its state stay the drafter's; lengths stay symbolic
+        drafter.compile(dynamic=True)
+        log.info("trainer.compile: the drafter's training step runs through torch.compile (inductor), compiled in its first steps")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     log.info("drafter %s: %.2fM trainable parameters", cfg.drafter.name, sum(p.numel() for p in trainable) / 1e6)
 
