@@ -13,6 +13,7 @@ from conftest import (FAMILIES, ROOT, TINY_RUN, compose_train, distilled_setup, 
                       random_drafter, records)
 from drafters.base import capture
 from drafters.storage.artifact import read
+from drafters.target import precision
 from training.schedule import Muon, make_optimizers, newton_schulz, optimizer_name
 
 
@@ -101,6 +102,9 @@ def test_muon_orthogonalizes_the_hidden_matrices_and_leaves_the_head_to_adamw(ti
     drafter = random_drafter("eagle3", target, vocab)
     optimizers = make_optimizers(compose_train(["target=tiny_llama", "trainer.optimizer=muon", "trainer.lr=1e-2"]), drafter)
     assert [type(o).__name__ for o in optimizers] == ["Muon", "AdamW"]
+    assert optimizers[0].param_groups[0]["ns_steps"] == 5  # trainer.ns_steps: torch's default, unless set
+    assert make_optimizers(compose_train(["target=tiny_llama", "trainer.optimizer=muon", "trainer.ns_steps=3"]),
+                           drafter)[0].param_groups[0]["ns_steps"] == 3
     before = {name: weight.detach().clone() for name, weight in drafter.named_parameters()}
     drafter(batch, capture(target, vocab, batch, drafter.capture_layers()))[0].backward()
     for optimizer in optimizers:
@@ -139,14 +143,30 @@ def test_muon_orthogonalizes_in_float32_where_bf16_is_emulated(shape):
     assert torch.optim._muon._zeropower_via_newtonschulz is own
 
 
-def test_the_full_presets_optimizer_is_muon_where_each_process_holds_whole_matrices():
+def test_the_full_presets_optimizer_is_muon_where_each_process_holds_whole_matrices_and_bf16_is_native():
     """trainer.optimizer=auto (trainer=full and long): Muon for one process and DDP, AdamW under ZeRO/FSDP
-    (which flatten or shard the weights); a checkpoint saved before the setting existed trained with AdamW."""
+    (which flatten or shard the weights) and where bf16 is emulated; a checkpoint saved before the setting
+    existed trained with AdamW."""
     assert optimizer_name(compose_train(["target=tiny_llama"])) == "adamw"  # the quick start's
+    modes = ("none", "ddp", "zero2", "zero3", "fsdp")
     assert [optimizer_name(compose_train(["target=tiny_llama", "trainer=full", f"distributed={mode}"]))
-            for mode in ("none", "ddp", "zero2", "zero3", "fsdp")] == ["muon", "muon", "adamw", "adamw", "adamw"]
+            for mode in modes] == ["muon", "muon", "adamw", "adamw", "adamw"]
+    assert {optimizer_name(compose_train(["target=tiny_llama", "trainer=full", f"distributed={mode}"]), native_bf16=False)
+            for mode in modes} == {"adamw"}
     assert optimizer_name(compose_train(["target=tiny_llama", "distributed=zero2", "trainer.optimizer=muon"])) == "muon"
     assert optimizer_name({"trainer": {"lr": 1e-3}, "distributed": {"name": "none"}}) == "adamw"
+
+
+def test_auto_settles_the_optimizer_for_this_machine_and_the_checkpoint_records_it(tmp_path):
+    """trainer.optimizer=auto (one process): Muon where bf16 is native, AdamW where it is emulated, settled
+    once and written into the run's config, so that a resume on another kind of machine compares the
+    optimizer that trained, not `auto`."""
+    result = train(tmp_path, "trainer.optimizer=auto", "trainer.max_steps=1", "logger=none", env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    settled = "muon" if precision.resolve("auto", "cpu").hardware.native_bf16 else "adamw"
+    assert f"trainer.optimizer: {settled} (auto, distributed=none" in result.stderr + result.stdout
+    state = json.loads((tmp_path / "checkpoints" / "latest" / "trainer_state.json").read_text())
+    assert state["config"]["trainer"]["optimizer"] == settled
 
 
 def test_a_muon_run_resumes_bitwise_and_refuses_another_optimizer(tmp_path):

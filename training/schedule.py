@@ -58,14 +58,19 @@ def eval_due(step: int, trainer: DictConfig) -> bool:
     return due == 0 and periods > 0 and (not trainer.eval_doubling or periods & (periods - 1) == 0)
 
 
-def optimizer_name(config: DictConfig | dict) -> str:
+def optimizer_name(config: DictConfig | dict, native_bf16: bool = True) -> str:
     """A run's `trainer.optimizer` (its config, or the one a checkpoint saved: none before Muon came,
     so AdamW), with `auto` settled: Muon where every process holds whole weight matrices (one process,
-    DDP), AdamW where ZeRO/FSDP flatten or shard them (distributed.check_mode refuses an explicit muon there)."""
+    DDP) and bf16 is native; AdamW where ZeRO/FSDP flatten or shard them (distributed.check_mode refuses
+    an explicit muon there) or where bf16 is emulated (AVX2-only CPUs: Muon's float32 orthogonalization
+    takes a third of a step there, and AdamW's extra steps led at equal wall clock, docs/training.md).
+    The trainer writes the settled name into the run's config, so a checkpoint records what trained
+    it; one saved with `auto` (before 2026-12-06) trained with Muon wherever the weights were whole."""
     chosen = config.get("trainer", {}).get("optimizer", "adamw")
     if chosen != "auto":
         return chosen
-    return "muon" if config.get("distributed", {}).get("name", "none") in WHOLE_WEIGHTS else "adamw"
+    whole = config.get("distributed", {}).get("name", "none") in WHOLE_WEIGHTS
+    return "muon" if whole and native_bf16 else "adamw"
 
 
 def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
@@ -116,11 +121,11 @@ def make_optimizers(cfg: DictConfig, model: torch.nn.Module) -> list[torch.optim
             if weight.ndim == 2 and min(weight.shape) > 1 and not any(part in name for part in NOT_FOR_MUON)]
     rest = [weight for _, weight in named if all(weight is not matrix for matrix in muon)]
     float32 = bool(muon) and not precision.resolve("auto", muon[0].device).hardware.native_bf16
-    log.info("optimizer muon: %.2fM weights in %d matrices with Muon (orthogonalized in %s), %.2fM with AdamW",
-             sum(w.numel() for w in muon) / 1e6, len(muon), "float32: no native bf16" if float32 else "bf16",
+    log.info("optimizer muon: %.2fM weights in %d matrices with Muon (%d Newton-Schulz steps in %s), %.2fM with AdamW",
+             sum(w.numel() for w in muon) / 1e6, len(muon), trainer.ns_steps, "float32: no native bf16" if float32 else "bf16",
              sum(w.numel() for w in rest) / 1e6)
     return ([Muon(muon, float32_orthogonalization=float32, lr=trainer.lr, weight_decay=trainer.weight_decay,
-                  adjust_lr_fn="match_rms_adamw")] if muon else []) + \
+                  ns_steps=trainer.ns_steps, adjust_lr_fn="match_rms_adamw")] if muon else []) + \
         ([torch.optim.AdamW(rest, lr=trainer.lr, weight_decay=trainer.weight_decay)] if rest else [])
 
 

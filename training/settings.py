@@ -23,6 +23,7 @@ class Trainer:
     group_by_length: bool = anything()
     compile: bool | None = anything()  # null: wherever it can (training/distributed.py: compiles)
     optimizer: str = one_of("auto", "adamw", "muon")
+    ns_steps: int = at_least(1)  # Muon's Newton-Schulz iterations
     lr: float = at_least(0)  # 0: the weights stay as they start (a check of init_from)
     weight_decay: float = at_least(0)
     warmup_steps: int = at_least(0)

@@ -279,15 +279,21 @@ def measured_accept_len(drafter, target, eval_set, cfg) -> float:
     return tokens / max(forwards, 1)
 
 
-def settle_precision(cfg: DictConfig, run_dir: str) -> dict:
-    """Resolve `target.dtype` and `trainer.precision` (auto) for this process's device, once, and
-    write the result into the config, so that what ran is what W&B, `trainer_state.json` and
-    `.hydra/config.yaml` (record_config) record. Returns the record for checkpoints."""
+def settle_hardware_choices(cfg: DictConfig, run_dir: str) -> dict:
+    """Resolve `target.dtype`, `trainer.precision` and `trainer.optimizer` (auto) for this process's
+    device, once, and write the result into the config, so that what ran is what W&B,
+    `trainer_state.json` and `.hydra/config.yaml` (record_config) record. Returns the precision record
+    for checkpoints."""
     device = distributed.local_device()
     target = precision.resolve(cfg.target.get("dtype", "auto"), device, key="target.dtype")
     autocast = precision.resolve(cfg.trainer.precision, device, key="trainer.precision")
+    chosen = cfg.trainer.optimizer
     with open_dict(cfg):
         cfg.target.dtype, cfg.trainer.precision = target.name, autocast.name
+        cfg.trainer.optimizer = optimizer_name(cfg, target.hardware.native_bf16)
+    if chosen == "auto":
+        log.info("trainer.optimizer: %s (auto, distributed=%s, %s bf16)", cfg.trainer.optimizer, cfg.distributed.name,
+                 "native" if target.hardware.native_bf16 else "no native")
     if target.describe() == autocast.describe():
         what = f"{target.describe()} for the target and the drafter"
     else:
@@ -333,7 +339,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     compiled = distributed.compiles(cfg, distributed.platform())  # refused now, not after regeneration
     resume_from, resumed_state = resumed or (None, None)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
-    precisions = settle_precision(cfg, run_dir)
+    precisions = settle_hardware_choices(cfg, run_dir)
     if (cfg.data.hidden_states == "cached" and distributed.world_size() == 1
             and not (hidden_cache.read_index(str(cfg.data.cache.dir)) or {}).get("complete")):
         log.info("hidden states: writing the cache in a child process first")
