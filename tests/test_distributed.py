@@ -25,10 +25,10 @@ BASE = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "logg
         "trainer.schedule=constant", "trainer.warmup_steps=3", "trainer.log_every=1", "trainer.eval_every=100",
         "trainer.eval_max_samples=4", "trainer.save_every=2", "trainer.batch_size=1"]
 ENV = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-PORTS = itertools.count(29531)
+PORTS = itertools.count(29531)  # a fresh rendezvous port per launch
 # what ZeRO runs (`auto`, the full preset's, is Muon for one process and DDP where bf16 is native: compared on its own below)
 ADAMW = "trainer.optimizer=adamw"
-MUON = "trainer.optimizer=muon"  # a fresh rendezvous port per launch
+MUON = "trainer.optimizer=muon"
 
 
 def launch(run_dir, *overrides):
