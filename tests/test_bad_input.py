@@ -112,6 +112,7 @@ CASES = [
     ("precision_unknown", "training.run", ["trainer.precision=fp8"], "trainer.precision=fp8: must be one of auto"),
     ("max_minutes_zero", "training.run", ["trainer.max_minutes=0"], "trainer.max_minutes=0: must be > 0"),
     ("deadline_not_a_number", "training.run", ["trainer.deadline_minutes=abc"], "trainer.deadline_minutes=abc: must be a finite number > 0"),
+    ("regen_minutes_not_a_number", "training.run", ["data.regen.max_minutes=soon"], "data.regen.max_minutes=soon: must be a finite number > 0 or auto"),
     ("min_lr_ratio_above_one", "training.run", ["trainer.min_lr_ratio=2"], "trainer.min_lr_ratio=2: must be <= 1"),
     ("grad_clip_zero", "training.run", ["trainer.grad_clip=0"], "trainer.grad_clip=0: must be > 0"),
     ("max_length_zero", "training.run", ["data.max_length=0"], "data.max_length=0: must be >= 2"),

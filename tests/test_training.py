@@ -15,6 +15,7 @@ from drafters.base import capture
 from drafters.storage.artifact import read
 from drafters.target import precision
 from training.schedule import Muon, make_optimizers, newton_schulz, optimizer_name
+from training.trainer import settle_regen_minutes
 
 
 def command(run_dir, *overrides):
@@ -155,6 +156,21 @@ def test_the_full_presets_optimizer_is_muon_where_each_process_holds_whole_matri
             for mode in modes} == {"adamw"}
     assert optimizer_name(compose_train(["target=tiny_llama", "distributed=zero2", "trainer.optimizer=muon"])) == "muon"
     assert optimizer_name({"trainer": {"lr": 1e-3}, "distributed": {"name": "none"}}) == "adamw"
+
+
+def test_the_long_presets_regeneration_budget_is_longer_where_bf16_is_emulated():
+    """data.regen.max_minutes=auto (trainer=long): 30 minutes where bf16 is native, 45 where it is emulated;
+    a number given on the command line stays as given."""
+    settled = []
+    for native_bf16 in (True, False):
+        cfg = compose_train(["target=tiny_llama", "trainer=long"])
+        assert cfg.data.regen.max_minutes == "auto"
+        settle_regen_minutes(cfg, native_bf16)
+        settled.append(cfg.data.regen.max_minutes)
+    assert settled == [30, 45]
+    cfg = compose_train(["target=tiny_llama", "trainer=long", "data.regen.max_minutes=40"])
+    settle_regen_minutes(cfg, native_bf16=False)
+    assert cfg.data.regen.max_minutes == 40
 
 
 def test_auto_settles_the_optimizer_for_this_machine_and_the_checkpoint_records_it(tmp_path):

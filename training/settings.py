@@ -47,7 +47,7 @@ class Regeneration:
     max_new_tokens: int = at_least(1)
     batch_size: int = at_least(1)
     temperature: float = at_least(0)
-    max_minutes: float | None = above(0)
+    max_minutes: float | None = above(0, auto=True)  # auto: by the hardware (training/trainer.py: settle_regen_minutes)
 
 
 @dataclass

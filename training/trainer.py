@@ -121,6 +121,7 @@ def dump(cfg: DictConfig) -> dict:
     target = load_target(cfg.target, state.device)
     chosen = precision.resolve(cfg.target.get("dtype", "auto"), state.device)
     log.info("precision: %s for the target; %s", chosen.describe(), chosen.hardware.describe())
+    settle_regen_minutes(cfg, chosen.hardware.native_bf16)
     layers = drafter_layers(cfg, target)
     # regeneration keeps the states of what it answers, so the dump need not compute them again
     capture = (hidden_cache.RegenCapture(target, layers, cfg.data.max_length)
@@ -294,12 +295,27 @@ def settle_hardware_choices(cfg: DictConfig, run_dir: str) -> dict:
     if chosen == "auto":
         log.info("trainer.optimizer: %s (auto, distributed=%s, %s bf16)", cfg.trainer.optimizer, cfg.distributed.name,
                  "native" if target.hardware.native_bf16 else "no native")
+    settle_regen_minutes(cfg, target.hardware.native_bf16)
     if target.describe() == autocast.describe():
         what = f"{target.describe()} for the target and the drafter"
     else:
         what = f"target {target.describe()}, drafter autocast {autocast.describe()}"
     log.info("precision: %s; %s", what, target.hardware.describe())
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
+
+
+# Where bf16 is emulated a training step costs more, and more conversations beat more steps: in the
+# two-hour preset 45 minutes of regeneration measured 1.95 held out against 30 minutes' 1.78 (docs/training.md)
+REGEN_MINUTES_AUTO = {True: 30, False: 45}  # native bf16 -> data.regen.max_minutes
+
+
+def settle_regen_minutes(cfg: DictConfig, native_bf16: bool) -> None:
+    """`data.regen.max_minutes: auto` settled in the config from the hardware, as trainer.optimizer is."""
+    if cfg.data.regenerate and cfg.data.regen.max_minutes == "auto":
+        with open_dict(cfg):
+            cfg.data.regen.max_minutes = REGEN_MINUTES_AUTO[native_bf16]
+        log.info("data.regen.max_minutes: %s (auto, %s bf16)", cfg.data.regen.max_minutes,
+                 "native" if native_bf16 else "no native")
 
 
 def wandb_logged_in() -> bool:

@@ -5,7 +5,8 @@ is allowed.
 A schema is a dataclass whose fields are the keys of one config node: the annotation is the type
 (`int`, `float`, `bool`, `str`, `list[int]`, `dict` for a free-form node, another schema for a
 nested node, `X | None` where null is allowed), and `at_least` / `above` / `between` / `one_of` /
-`nonempty` give the range (`at_least(..., distinct=True)`: a list without repeats). Defaults stay
+`nonempty` give the range (`at_least(..., distinct=True)`: a list without repeats; `above(..., auto=True)`:
+a number or `auto`, which the code settles from the hardware). Defaults stay
 in the YAML: a schema only says what is allowed. A drafter's schema is also what its artifacts
 record (`Drafter.hparams`): every field but those marked `saved=False` (training-only choices).
 
@@ -39,6 +40,7 @@ class Allowed:
     choices: tuple = ()
     nonempty: bool = False
     distinct: bool = False  # a list: no value twice
+    auto: bool = False  # `auto` is allowed beside the range
 
     def problem(self, value) -> str | None:
         if self.nonempty:
@@ -67,8 +69,8 @@ def at_least(low: float, distinct: bool = False, saved: bool = True):
     return _rule(Allowed(low=low, distinct=distinct), saved)
 
 
-def above(low: float):
-    return _rule(Allowed(low=low, open_low=True))
+def above(low: float, auto: bool = False):
+    return _rule(Allowed(low=low, open_low=True, auto=auto))
 
 
 def between(low: float, high: float, open_low: bool = False):
@@ -134,6 +136,8 @@ def _check_value(key: str, value, kind, allowed: Allowed | None) -> None:
         kind = next(option for option in options if option is not type(None))
     elif value is None:
         raise UserError(f"{key}=null: {_describe(kind, allowed)} is required")
+    if allowed and allowed.auto and value == "auto":
+        return
     if dataclasses.is_dataclass(kind):
         if not isinstance(value, DictConfig):
             raise UserError(f"{key}={_show(value)}: must be a group of settings ({', '.join(f.name for f in dataclasses.fields(kind))})")
@@ -170,7 +174,8 @@ def _describe(kind, allowed: Allowed | None) -> str:
     if allowed and allowed.choices:
         return f"one of {' | '.join(map(str, allowed.choices))}"
     problem = allowed.problem(float("-inf")) if allowed and allowed.low is not None else None
-    return f"{what} {problem.removeprefix('must be ')}" if problem else what
+    described = f"{what} {problem.removeprefix('must be ')}" if problem else what
+    return f"{described} or auto" if allowed and allowed.auto else described
 
 
 def _show(value) -> str:
