@@ -304,8 +304,8 @@ def settle_hardware_choices(cfg: DictConfig, run_dir: str) -> dict:
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
 
 
-# Where bf16 is emulated a training step costs more, and more conversations beat more steps: in the
-# two-hour preset 45 minutes of regeneration measured 1.95 held out against 30 minutes' 1.78 (docs/training.md)
+# Where bf16 is emulated a step costs more, and more conversations beat more steps up to a point: in the two-hour
+# preset 45 min of regeneration measured 1.95 held out against 30 min's 1.78, and 60 a tie (docs/training.md)
 REGEN_MINUTES_AUTO = {True: 30, False: 45}  # native bf16 -> data.regen.max_minutes
 
 
