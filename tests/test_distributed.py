@@ -16,10 +16,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from conftest import ROOT, one_line_error, records, run_cli
 from drafters.config.errors import UserError
-from training.distributed import compiles
+from training.distributed import compiles, isolate_compile_cache
 
 BASE = ["target=tiny_llama", "data.max_samples=60", "data.max_length=160", "logger=none", "trainer.precision=fp32",
         "trainer.schedule=constant", "trainer.warmup_steps=3", "trainer.log_every=1", "trainer.eval_every=100",
@@ -57,6 +59,28 @@ def one_process(tmp_path_factory):
     output = launch(run_dir, ADAMW, "trainer.grad_accum=2", "trainer.max_steps=4")
     assert "global batch 2 = 1 per process x 2 accumulation x 1 processes" in output
     return run_dir
+
+
+def test_compiled_graphs_are_cached_per_cpu_vector_isa(monkeypatch):
+    if not shutil.which("g++"):
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    isolate_compile_cache("cpu")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"  # the user's choice stands
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    isolate_compile_cache("cuda")  # GPU graphs are keyed by the device already
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    cache_dir()  # inductor, once it has run, writes its default into the variable: still not the user's choice
+    isolate_compile_cache("cpu")
+    here = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert os.path.basename(here) == "cpu-" + str(pick_vec_isa()).replace(" ", "+")
+    # the same machine with torch capped to AVX2 (how this project measures that kind) gets a directory of its own
+    capped = subprocess.run(
+        [sys.executable, "-c", ("import os; from training.distributed import isolate_compile_cache; "
+                                "isolate_compile_cache('cpu'); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")],
+        env={k: v for k, v in {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}.items() if k != "TORCHINDUCTOR_CACHE_DIR"},
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.dirname(capped) == os.path.dirname(here) and os.path.basename(capped) == "cpu-avx2"
 
 
 @pytest.mark.long

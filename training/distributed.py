@@ -104,6 +104,21 @@ def compiles(cfg: DictConfig, device: str) -> bool:
     return True
 
 
+def isolate_compile_cache(device: str) -> None:
+    """A directory of inductor's caches per CPU vector ISA, unless TORCHINDUCTOR_CACHE_DIR is set: its
+    FX graph cache keys a CPU graph without the ISA it was built for, and a graph built under another one
+    (another CPU kind sharing /tmp, or ATEN_CPU_CAPABILITY=avx2) aborts the process when reused
+    (`free(): invalid pointer` at the first compiled step; torch 2.13, docs/training.md)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # inductor writes its default into the variable once it has used it: that is not the user's choice
+    if device != "cpu" or os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
+        return
+    isa = str(pick_vec_isa()).replace(" ", "+")  # e.g. "avx512+avx512_vnni", "avx2"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"cpu-{isa}")
+
+
 def deepspeed_config(cfg: DictConfig, world: int) -> dict:
     """`distributed.deepspeed` with its "auto" values filled from trainer.* (DeepSpeed needs them
     before any dataloader exists, and they must agree with how the trainer cuts batches)."""

@@ -353,6 +353,8 @@ def preflight(cfg: DictConfig, run_dir: str) -> tuple[str, artifact.TrainingStat
 def train(cfg: DictConfig, run_dir: str) -> dict:
     resumed = preflight(cfg, run_dir)
     compiled = distributed.compiles(cfg, distributed.platform())  # refused now, not after regeneration
+    if compiled:
+        distributed.isolate_compile_cache(distributed.platform())
     resume_from, resumed_state = resumed or (None, None)
     checkpoints_dir = os.path.join(run_dir, "checkpoints")
     precisions = settle_hardware_choices(cfg, run_dir)
