@@ -18,7 +18,7 @@ from drafters.config import settings
 from drafters.config.errors import UserError, command
 from drafters.storage.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
 from drafters.storage.writes import STATE_FILE, atomic_directory, check_directory_destination
-from drafters.target.model import load_target
+from drafters.target.model import load_target, resolve_path
 from export import formats
 from export.settings import Export
 
@@ -52,13 +52,19 @@ def read_source(cfg: DictConfig) -> SavedDrafter:
     fmt = formats.reader(config, path)  # before the target loads: an unknown layout fails fast
     context = formats.ImportFor(load_target(cfg.target), OmegaConf.to_container(cfg.target, resolve=True),
                                 drafter_config(cfg, fmt.drafter))
-    return fmt.read(path, config, context)
+    saved = fmt.read(path, config, context)
+    saved.check(path)
+    return saved
 
 
 def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tuple[str, ...]) -> str:
     """The target as an HF safetensors dir (a GGUF target dequantized) in bf16, whatever precision the
     head was trained in: what vLLM and speculators load by path. Returns that path."""
-    target = load_target(OmegaConf.merge(saved.target, {"dtype": "bfloat16"}))
+    target_cfg = OmegaConf.merge(saved.target, {"dtype": "bfloat16"})
+    source = None if target_cfg.get("random_init") else resolve_path(target_cfg)
+    protect = (*protect, source) if source and os.path.exists(source) else protect  # never over the model it reads
+    check_directory_destination(out, overwrite, protect, "verifier_out", model=True)  # before the target loads
+    target = load_target(target_cfg)
     saved.check_target(target.spec, out)
     with atomic_directory(out, overwrite, protect, key="verifier_out", model=True) as partial:
         target.model.save_pretrained(partial)

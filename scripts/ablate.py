@@ -76,7 +76,7 @@ def train_and_bench(name: str, overrides: list[str], plan: dict, out: str) -> di
     with open(trained) as handle:
         train_seconds = json.load(handle)["seconds"]
     checkpoint = os.path.join(row_dir, "train", "checkpoints", "latest")
-    run("serving.bench", [f"artifact={checkpoint}", *plan["bench"], f"out={os.path.join(row_dir, 'bench.json')}"],
+    run("serving.bench", [f"artifact={checkpoint}", *plan["bench"], f"out={os.path.join(row_dir, 'bench.json')}", "overwrite=true"],
         os.path.join(row_dir, "bench.log"))
     with open(os.path.join(row_dir, "train", "metrics.jsonl")) as handle:
         final_eval = [record for record in map(json.loads, handle) if "eval/sim_accept_len" in record][-1]

@@ -168,7 +168,7 @@ def bench(out: str, artifact: str, name: str, options: list[str], smoke: bool, n
     path = os.path.join(out, f"bench-{name}.json")
     size = ["n=1", "max_new_tokens=8"] if smoke else ["n=20", f"max_new_tokens={new_tokens}"]
     module(["serving.bench", f"artifact={artifact}", "prompts=[mtbench,humaneval,gsm8k]", *size, *options,
-            f"out={path}"], os.path.join(out, f"bench-{name}.log"), timeout)
+            f"out={path}", "overwrite=true"], os.path.join(out, f"bench-{name}.log"), timeout)
     with open(path) as handle:
         results = json.load(handle)
     return {"options": options, "dtype": results["config"]["dtype"],

@@ -189,6 +189,25 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
+def check_replaceable(written: tuple[str, str, str], overwrite: bool) -> None:
+    """Refuse to replace the results `written` (the .json, .png and .yaml) unless `overwrite`, and then
+    only those of an earlier benchmark (its .json holds results), never another file that shares the stem."""
+    existing = [path for path in written if os.path.lexists(path)]
+    if not existing:
+        return
+    if not overwrite:
+        raise UserError(f"out={written[0]}: {', '.join(existing)} already exist (pass overwrite=true to replace "
+                        "an earlier benchmark's results, or choose another out)")
+    try:
+        with open(written[0]) as handle:
+            ours = {"config", "datasets"} <= set(json.load(handle))
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise UserError(f"out={written[0]}: {existing[0]} is not an earlier benchmark's result: overwrite=true "
+                        "replaces only those; choose another out")
+
+
 @command("bench")
 def main(cfg: DictConfig) -> None:
     from drafters.storage import artifact
@@ -207,9 +226,11 @@ def main(cfg: DictConfig) -> None:
     out, (stem, extension) = str(cfg.out), os.path.splitext(str(cfg.out))
     if extension != ".json":  # the plot and the config go beside it as <stem>.png and <stem>.yaml
         raise UserError(f"out={out}: must name a .json file (the plot and config are written beside it)")
-    for path in (out, f"{stem}.png", f"{stem}.yaml"):  # before the benchmark's minutes, not after
+    written = (out, f"{stem}.png", f"{stem}.yaml")
+    for path in written:  # before the benchmark's minutes, not after
         check_writable(path)
         check_destination(path, (str(cfg.artifact),))
+    check_replaceable(written, cfg.overwrite)
     sets = {name: load_prompts(name, cfg.n) for name in names}
     for name, prompts in sets.items():
         if len(prompts) < cfg.n:
@@ -242,7 +263,8 @@ def main(cfg: DictConfig) -> None:
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "
               f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), {same}"
               + (f"; prompt lookup {result['speedup_prompt_lookup']:.2f}x" if "speedup_prompt_lookup" in result else ""))
-    with atomic_file(out) as partial, open(partial, "w") as handle:
+    check_replaceable(written, cfg.overwrite)  # another run may have written them meanwhile
+    with atomic_file(out, replace=cfg.overwrite) as partial, open(partial, "w") as handle:
         json.dump(results, handle, indent=1)
     plot(results, f"{stem}.png")
     with atomic_file(f"{stem}.yaml") as partial:

@@ -59,6 +59,7 @@ class Bench(Decoding):
     prompt_lookup_tokens: int = at_least(0)
     hf_plain: bool = anything()
     out: str = nonempty()
+    overwrite: bool = anything()
 
 
 def announce_precision(cfg: DictConfig, device: torch.device) -> Precision:

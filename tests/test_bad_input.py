@@ -17,14 +17,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, kill_while_writing, run_cli
 from drafters.storage.artifact import read
 
 TINY = ["target=tiny_llama", "logger=none", "data.max_samples=40", "data.max_length=128", "trainer.batch_size=2",
         "trainer.eval_max_samples=4", "trainer.max_minutes=null"]
-# Hydra appends every invocation of a run dir to its run.log (.hydra/ is written only by a run that starts)
-HYDRA_RECORDS = ("run.log",)
+# Hydra appends every invocation of a run dir to its run.log, or launch.log for training.launch (.hydra/
+# is written only by a run that starts)
+HYDRA_RECORDS = ("run.log", "launch.log")
 
 
 def train_cli(run_dir, *args, timeout=300):
@@ -76,7 +79,68 @@ def world(tmp_path_factory):
     garbage = root / "garbage_weights"
     shutil.copytree(root / "artifact", garbage)
     (garbage / "model.safetensors").write_bytes(b"\x00" * 100)
+    malformed_artifacts(root)
+    hidden_state_caches(root)
+    (files / "project").mkdir()  # a user's folder that happens to hold a config.json
+    (files / "project" / "config.json").write_text("{}")
+    (files / "project" / "notes.txt").write_text("mine")
+    shutil.copytree(model, files / "model_no_tokenizer", ignore=shutil.ignore_patterns("tokenizer.json"))
+    (files / "exp.yaml").write_text("mine: true\n")  # what a benchmark's out=exp.json would write beside it
+    (files / "notes.json").write_text('{"mine": true}')
     return root
+
+
+def malformed_artifacts(root):
+    """Copies of the native artifact, each with one thing wrong in its config or weights."""
+    def edit(name, config=None, weights=None):
+        path = root / "bad" / name
+        shutil.copytree(root / "artifact", path)
+        if config:
+            document = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps(config(document)))
+        if weights:
+            tensors = load_file(path / "model.safetensors")
+            weights(tensors)
+            save_file(tensors, path / "model.safetensors")
+
+    edit("config_list", lambda c: [c])
+    edit("hparams_list", lambda c: {**c, "hparams": [1]})
+    edit("no_verifier", lambda c: {k: v for k, v in c.items() if k != "verifier"})
+    edit("vocab_size_text", lambda c: {**c, "verifier": {**c["verifier"], "vocab_size": "big"}})
+    edit("drafter_number", lambda c: {**c, "drafter": 5})
+    edit("drafter_unknown", lambda c: {**c, "drafter": "eagle9"})
+    edit("hparams_without_vocab", lambda c: {**c, "hparams": {k: v for k, v in c["hparams"].items() if k != "draft_vocab_size"}})
+    edit("steps_text", lambda c: {**c, "proposal": {**c["proposal"], "steps": "x"}})
+    edit("d2t_out_of_range", weights=lambda w: w.update(d2t=w["d2t"] + 100000))
+    edit("d2t_float", weights=lambda w: w.update(d2t=w["d2t"].float()))
+    edit("t2d_int", weights=lambda w: w.update(t2d=w["t2d"].long()))
+    edit("nan_weights", weights=poison)
+
+
+def poison(weights: dict) -> None:
+    """One float weight NaN: what a diverged run would have saved."""
+    name = next(name for name in sorted(weights) if weights[name].is_floating_point())
+    weights[name] = torch.full_like(weights[name], float("nan"))
+
+
+def hidden_state_caches(root):
+    """A dump of the tiny target's data, and copies of it with one fault each."""
+    for name, extra in (("cache", []), ("cache_other_target", ["target.random_init.seed=7"])):
+        result = subprocess.run([sys.executable, "-m", "training.dump", *TINY, *extra, f"data.cache.dir={root / name}",
+                                 f"hydra.run.dir={root / 'dumps' / name}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+    faults = {
+        "cut_shard": lambda c: (c / "train-00000.safetensors").write_bytes((c / "train-00000.safetensors").read_bytes()[:5000]),
+        "foreign_shard": lambda c: shutil.copy(root / "cache_other_target" / "train-00000.safetensors", c),
+        "missing_shard": lambda c: os.remove(c / "eval-00000.safetensors"),
+        "index_list": lambda c: (c / "index.json").write_text("[1, 2]"),
+        "index_cut": lambda c: (c / "index.json").write_text((c / "index.json").read_text()[:90]),
+        "other_shard_size": lambda c: (c / "index.json").write_text(json.dumps({**json.loads((c / "index.json").read_text()),
+                                                                               "shard_sequences": 7})),
+    }
+    for name, fault in faults.items():
+        shutil.copytree(root / "cache", root / "caches" / name)
+        fault(root / "caches" / name)
 
 
 def snapshot(root) -> dict[str, str]:
@@ -217,7 +281,7 @@ CASES = [
                                                   "target.random_init.hidden_size=128", "target.random_init.head_dim=32"],
      "a head of hidden_size=64, made for another target: the target tiny-llama has hidden_size=128"),
     ("export_verifier_missing", "export.run", ["checkpoint={root}/artifact", "format=speculators", "out={tmp}/x", "verifier={tmp}/nope"], "no such model directory"),
-    ("export_overwrite_a_folder_of_user_files", "export.run", ["checkpoint={root}/artifact", "out={root}/files", "overwrite=true"], "is not an artifact or model dir"),
+    ("export_overwrite_a_folder_of_user_files", "export.run", ["checkpoint={root}/artifact", "out={root}/files", "overwrite=true"], "was not written by specdraft's export"),
     ("export_format_unknown", "export.run", ["checkpoint={run}/checkpoints/latest", "format=onnx", "out={tmp}/x"], "onnx"),
     ("export_unknown_key", "export.run", ["checkpoint={root}/artifact", "out={tmp}/x", "+formt=vllm"], "formt: no such setting"),
     ("export_steps_zero", "export.run", ["checkpoint={run}/checkpoints/latest", "out={tmp}/x", "steps=0"], "steps=0: must be >= 1"),
@@ -233,7 +297,7 @@ CASES = [
     ("run_dir_inside_a_model_dir", "training.run", ["hydra.run.dir={root}/model_dir/run"], "would write into the artifact or model dir {root}/model_dir"),
     ("bench_out_into_another_artifact", "serving.bench", ["artifact={root}/artifact", "out={root}/speculators/b.json"], "would write into the artifact or model dir {root}/speculators"),
     ("export_verifier_over_a_drafter", "export.run", ["checkpoint={run}/checkpoints/latest", "format=speculators", "out={tmp}/x", "verifier_out={root}/artifact", "overwrite=true"], "verifier_out {root}/artifact holds a drafter artifact, not a model dir"),
-    ("export_over_a_target_model", "export.run", ["checkpoint={run}/checkpoints/latest", "out={root}/model_dir", "overwrite=true"], "holds a model with its tokenizer, not a drafter artifact"),
+    ("export_over_a_target_model", "export.run", ["checkpoint={run}/checkpoints/latest", "out={root}/model_dir", "overwrite=true"], "out {root}/model_dir was not written by specdraft's export"),
     ("dflash_block_past_max_length", "training.run", ["drafter=dflash", "drafter.block_size=10000"], "drafter.block_size=10000: must be <= data.max_length=128"),
     ("data_not_a_regular_file", "training.run", ["data.path=/dev/null"], "data file is not a regular file: /dev/null"),
     ("bench_auto_schedule_with_min_confidence", "serving.bench", ["artifact={root}/artifact", "schedule=auto", "min_confidence=0.5", "out={tmp}/b.json"], "min_confidence=0.5 is for schedule=fixed"),
@@ -256,6 +320,43 @@ CASES = [
     ("dump_cache_dir_a_file", "training.dump", ["data.cache.dir=/dev/null"], "data.cache.dir /dev/null: /dev/null is not a directory"),
     ("serve_seed_past_the_range", "serving.run", ["artifact={root}/artifact", "seed=99999999999"], "seed=99999999999: must be <= 4294967295 and >= 0"),
     ("serve_top_p_above_one", "serving.run", ["artifact={root}/artifact", "top_p=2"], "top_p=2: must be <= 1 and > 0"),
+    # what overwrite=true may replace: only what export or a benchmark wrote
+    ("export_over_a_project_with_a_config", "export.run", ["checkpoint={root}/artifact", "out={root}/files/project", "overwrite=true"], "out {root}/files/project was not written by specdraft's export"),
+    ("export_over_a_model_without_tokenizer", "export.run", ["checkpoint={root}/artifact", "out={root}/files/model_no_tokenizer", "overwrite=true"], "was not written by specdraft's export"),
+    ("export_verifier_over_a_user_model", "export.run", ["checkpoint={run}/checkpoints/latest", "format=speculators", "out={tmp}/x", "verifier_out={root}/model_dir", "overwrite=true"], "verifier_out {root}/model_dir was not written by specdraft's export"),
+    ("bench_out_beside_a_users_yaml", "serving.bench", ["artifact={root}/artifact", "out={root}/files/exp.json"], "{root}/files/exp.yaml already exist"),
+    ("bench_overwrite_a_users_json", "serving.bench", ["artifact={root}/artifact", "out={root}/files/notes.json", "overwrite=true"], "notes.json is not an earlier benchmark's result"),
+    ("bench_out_over_a_run_record", "serving.bench", ["artifact={root}/artifact", "out={run}/.hydra/config.json", "overwrite=true"], "{run}/.hydra/config.yaml is not an earlier benchmark's result"),
+    # run dirs a refused command must not even log into
+    ("serve_run_dir_inside_a_checkpoint", "serving.run", ["artifact={root}/artifact", "hydra.run.dir={run}/checkpoints/step-2/serve"], "hydra.run.dir {run}/checkpoints/step-2/serve would overwrite the training checkpoint"),
+    ("launch_dry_run_into_checkpoints", "training.launch", ["launch.dry_run=true", "hydra.run.dir={run}/checkpoints"], "is another run's checkpoints/ dir"),
+    ("launch_dry_run_over_checkpoints", "training.launch", ["launch.dry_run=true", "hydra.run.dir={run}"], "trainer.resume=no: {run}/checkpoints already holds checkpoints"),
+    ("dump_run_dir_inside_an_artifact", "training.dump", ["hydra.run.dir={root}/artifact/dump"], "would write into the artifact or model dir {root}/artifact"),
+    # malformed artifacts: one line naming the field, never a traceback
+    ("serve_config_not_an_object", "serving.run", ["artifact={root}/bad/config_list"], "config.json is not a JSON object"),
+    ("serve_hparams_not_an_object", "serving.run", ["artifact={root}/bad/hparams_list"], "hparams must be a JSON object, not list"),
+    ("serve_no_verifier", "serving.run", ["artifact={root}/bad/no_verifier"], "native artifact lacks field 'verifier'"),
+    ("serve_vocab_size_text", "serving.run", ["artifact={root}/bad/vocab_size_text"], "verifier.vocab_size must be a positive integer, not 'big'"),
+    ("serve_drafter_a_number", "serving.run", ["artifact={root}/bad/drafter_number"], "drafter must be a string, not int"),
+    ("serve_drafter_unknown", "serving.run", ["artifact={root}/bad/drafter_unknown"], "unknown drafter 'eagle9'"),
+    ("serve_hparams_incomplete", "serving.run", ["artifact={root}/bad/hparams_without_vocab"], "hparams do not describe a eagle3 drafter ('draft_vocab_size')"),
+    ("serve_steps_text", "serving.run", ["artifact={root}/bad/steps_text"], "proposal.steps must be a positive integer, not 'x'"),
+    ("serve_d2t_out_of_range", "serving.run", ["artifact={root}/bad/d2t_out_of_range"], "outside the target's vocabulary of"),
+    ("serve_d2t_float", "serving.run", ["artifact={root}/bad/d2t_float"], "d2t must be int64 and t2d bool, not torch.float32"),
+    ("export_t2d_int", "export.run", ["checkpoint={root}/bad/t2d_int", "out={tmp}/x"], "not torch.int64 and torch.int64"),
+    ("serve_nan_weights", "serving.run", ["artifact={root}/bad/nan_weights"], "is not finite (NaN or inf)"),
+    ("export_nan_weights", "export.run", ["checkpoint={root}/bad/nan_weights", "format=speculators", "out={tmp}/x"], "is not finite"),
+    ("init_from_nan_weights", "training.run", ["drafter.init_from={root}/bad/nan_weights"], "nan_weights: weight"),
+    ("bench_nan_weights", "serving.bench", ["artifact={root}/bad/nan_weights", "out={tmp}/b.json"], "is not finite"),
+    # hidden-state caches: cut, foreign, missing or of another shape
+    ("cache_shard_cut_short", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/caches/cut_shard"], "train-00000.safetensors is unreadable"),
+    ("cache_shard_of_another_target", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/caches/foreign_shard"], "train-00000.safetensors is not one of this cache's: cache"),
+    ("cache_shard_missing", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/caches/missing_shard"], "eval-00000.safetensors is missing"),
+    ("cache_index_not_an_object", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/caches/index_list"], "index.json is not a cache index"),
+    ("cache_index_cut_short", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/caches/index_cut"], "index.json is unreadable"),
+    ("cache_of_another_shard_size", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/caches/other_shard_size"], "is not one of this cache's"),
+    ("cache_resumed_dump_over_a_foreign_shard", "training.dump", ["data.cache.dir={root}/caches/foreign_shard"], "is not one of this cache's"),
+    ("cache_of_another_target", "training.run", ["data.hidden_states=offline", "data.cache.dir={root}/cache_other_target"], "is stale: it holds target_fingerprint="),
 ]
 
 

@@ -20,6 +20,7 @@ from drafters.config import settings
 from drafters.config.errors import UserError
 from drafters.storage import artifact
 from drafters.storage.artifact import default_proposal
+from drafters.storage.writes import MARK_FILE
 from drafters.target.model import load_target
 from export.layer_ids import translate_layer_ids
 
@@ -267,16 +268,17 @@ def test_cli_error_is_one_line(checkpoint, tmp_path):
 def test_out_is_refused_or_replaced_whole(checkpoint, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text("old")  # a previous artifact
+    (out / "config.json").write_text("old")  # a previous artifact, marked as export marks it
+    (out / MARK_FILE).write_text(json.dumps({"kind": "drafter artifact"}))
     with pytest.raises(UserError, match="already exists"):
         run_export(checkpoint=checkpoint, out=out)
     bad = edited_copy(checkpoint, tmp_path / "bad", weights=lambda w: w.pop("d2t"))
     with pytest.raises(UserError, match="missing weights \\['d2t'\\]"):
         run_export(checkpoint=bad, out=out, overwrite="true")
-    assert os.listdir(out) == ["config.json"]  # a failed export leaves the old out as it was
+    assert sorted(os.listdir(out)) == ["config.json", MARK_FILE]  # a failed export leaves the old out as it was
     assert (out / "config.json").read_text() == "old"
     run_export(checkpoint=checkpoint, out=out, overwrite="true")
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", MARK_FILE]
     assert sorted(os.listdir(tmp_path)) == ["bad", "out"]  # no temp dirs left behind
     with pytest.raises(UserError, match="would overwrite"):
         run_export(checkpoint=out, out=out, overwrite="true")

@@ -4,8 +4,10 @@ moves last."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import re
 import shutil
 
 from accelerate.utils import DistributedType, broadcast_object_list
@@ -13,16 +15,24 @@ from safetensors import SafetensorError
 
 from drafters.config.errors import UserError
 from drafters.storage.artifact import TrainingState
-from drafters.storage.writes import STATE_FILE, commit_directory, remove_stale_partials, seal, temp_beside
+from drafters.storage.writes import (STATE_FILE, commit_directory, no_space, out_of_space, remove_stale_partials, seal,
+                                     temp_beside)
 from training.schedule import optimizer_name
+
+log = logging.getLogger("training")
+STEP_DIR = re.compile(r"step-(\d+)")  # what save names a checkpoint; anything else in checkpoints/ is not ours
 
 
 def save(accelerator, model, checkpoints_dir: str, state: TrainingState, keep_last: int) -> str:
     """Model, optimizer, scheduler, RNG (through Accelerate) + `trainer_state.json`; returns the dir.
     Under DeepSpeed and FSDP, whose own formats are sharded per process, the whole weights are
-    also gathered into `model.safetensors`, where resume-free readers (export, serving) look."""
+    also gathered into `model.safetensors`, where resume-free readers (export, serving) look.
+    A save that fails (a full disk) removes what it wrote and leaves `latest` where it was."""
     step = state.step
     final = os.path.join(checkpoints_dir, f"step-{step}")
+    if os.path.lexists(final) and not os.path.isfile(os.path.join(final, STATE_FILE)):
+        raise UserError(f"cannot write checkpoint {final}: something that is not a checkpoint is there; move it away "
+                        "and rerun with trainer.resume=auto")
     partial = [temp_beside(final) if accelerator.is_main_process else None]
     if accelerator.num_processes > 1:
         broadcast_object_list(partial)  # every process writes its part into the main process's temp dir
@@ -31,12 +41,23 @@ def save(accelerator, model, checkpoints_dir: str, state: TrainingState, keep_la
         remove_stale_partials(checkpoints_dir, every_name=True)  # what a run killed mid-write left
         os.makedirs(partial)
     accelerator.wait_for_everyone()
-    accelerator.save_state(partial)
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        accelerator.save_model(model, partial)  # collective: every process takes part
+    try:
+        accelerator.save_state(partial)
+        if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            accelerator.save_model(model, partial)  # collective: every process takes part
+        if accelerator.is_main_process:
+            state.write(partial)
+            seal(partial)
+    except Exception as error:
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        if not out_of_space(error):
+            raise
+        latest = os.path.join(checkpoints_dir, "latest")
+        raise no_space("cannot write checkpoint", final, f"the last checkpoint, {os.path.realpath(latest)}, is intact: "
+                       "free some space and rerun with trainer.resume=auto" if os.path.exists(latest)
+                       else "no checkpoint was kept") from None
     if accelerator.is_main_process:
-        state.write(partial)
-        seal(partial)
         commit_directory(partial, final)  # a step resumed from an earlier checkpoint is replaced whole
         latest = os.path.join(checkpoints_dir, "latest")
         link = temp_beside(latest)
@@ -47,30 +68,43 @@ def save(accelerator, model, checkpoints_dir: str, state: TrainingState, keep_la
     return final
 
 
+def steps_held(checkpoints_dir: str) -> list[int]:
+    """The steps of the complete checkpoints in `checkpoints_dir`, ascending; other entries are not ours."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(int(found[1]) for name in os.listdir(checkpoints_dir) if (found := STEP_DIR.fullmatch(name))
+                  and os.path.isfile(os.path.join(checkpoints_dir, name, STATE_FILE)))
+
+
 def _prune(checkpoints_dir: str, keep_last: int) -> None:
-    steps = sorted(
-        int(name.split("-")[1]) for name in os.listdir(checkpoints_dir) if name.startswith("step-")
-    )
+    steps = steps_held(checkpoints_dir)
     for step in steps[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(os.path.join(checkpoints_dir, f"step-{step}"))
 
 
 def find(resume: str, checkpoints_dir: str, max_steps: int) -> tuple[str, TrainingState] | None:
-    """The checkpoint to resume from and its state: `no` -> None, `auto` -> latest if any, else a
-    given dir. Refused before any work: a run dir whose checkpoints `no` would overwrite, a
-    checkpoint that is not one or is already at `max_steps`."""
+    """The checkpoint to resume from and its state: `no` -> None, `auto` -> `latest`, or the newest
+    complete step where `latest` is missing or dangling, else None; else a given dir. Refused before
+    any work: a run dir whose checkpoints `no` would overwrite, a checkpoint that is not one or is
+    already at `max_steps`."""
+    held = steps_held(checkpoints_dir)
     if resume in (None, "no", False):
-        existing = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-")) \
-            if os.path.isdir(checkpoints_dir) else []
-        if existing:
-            raise UserError(f"trainer.resume=no: {checkpoints_dir} already holds checkpoints ({', '.join(existing)}); "
+        named = sorted(name for name in os.listdir(checkpoints_dir) if STEP_DIR.fullmatch(name)) \
+            if os.path.isdir(checkpoints_dir) else []  # incomplete ones too: a save would replace them
+        if named:
+            raise UserError(f"trainer.resume=no: {checkpoints_dir} already holds checkpoints ({', '.join(named)}); "
                             "pass trainer.resume=auto to continue them, or choose another hydra.run.dir")
         return None
     if resume == "auto":
         latest = os.path.join(checkpoints_dir, "latest")
-        if not os.path.exists(latest):
+        if os.path.isfile(os.path.join(latest, STATE_FILE)):
+            path = os.path.realpath(latest)
+        elif held:  # `latest` deleted with a bad checkpoint, or lost in a copy: never restart over the others
+            path = os.path.join(checkpoints_dir, f"step-{held[-1]}")
+            log.warning("trainer.resume=auto: %s is %s; resuming from the newest checkpoint, %s", latest,
+                        "dangling" if os.path.islink(latest) else "missing", path)
+        else:
             return None
-        path = os.path.realpath(latest)
     else:
         path = str(resume)
     if not os.path.isfile(os.path.join(path, STATE_FILE)):

@@ -122,9 +122,17 @@ def read_index(directory: str) -> dict | None:
         return None
     try:
         with open(path) as handle:
-            return json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+            index = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise UserError(f"hidden-state cache {path} is unreadable ({error})") from None
+    if not isinstance(index, dict):
+        raise UserError(f"hidden-state cache {path} is not a cache index (a JSON object)")
+    return index
+
+
+def digest(expected: dict) -> str:
+    """What every shard of a cache records of the cache it belongs to (identity and shard size)."""
+    return hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def write_index(directory: str, index: dict) -> None:
@@ -149,6 +157,29 @@ def _open_shard(path: str):
     return handle, handle.get_tensor("aux_offsets").tolist(), handle.get_tensor("final_offsets").tolist()
 
 
+def check_shard(path: str, first: int, sequences: int, index: dict) -> None:
+    """Refuse a shard that is missing, unreadable (cut short), or not this cache's: another shard
+    size, another cache (the digest it records), other layers or another hidden size."""
+    fix = "delete it and run python -m training.dump again with the same overrides to rewrite it"
+    try:
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            found = {"first_sequence": metadata.get("first_sequence"), "sequences": metadata.get("sequences"),
+                     "aux": handle.get_slice("aux").get_shape()[1:], "aux_offsets": handle.get_slice("aux_offsets").get_shape()}
+    except FileNotFoundError:
+        raise UserError(f"hidden-state cache shard {path} is missing: run python -m training.dump again with the "
+                        "same overrides to write it") from None
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise UserError(f"hidden-state cache shard {path} is unreadable ({str(error).splitlines()[0]}): {fix}") from None
+    wanted = {"first_sequence": str(first), "sequences": str(sequences), "aux": [len(index["layers"]), index["hidden_size"]],
+              "aux_offsets": [sequences + 1]}
+    if "cache" in metadata:  # shards written before it was recorded are checked on the rest only
+        found["cache"], wanted["cache"] = metadata["cache"], digest({k: v for k, v in index.items() if k not in ("complete", "stats")})
+    wrong = [f"{field} {found[field]} (this cache: {wanted[field]})" for field in wanted if found[field] != wanted[field]]
+    if wrong:
+        raise UserError(f"hidden-state cache shard {path} is not one of this cache's: {', '.join(wrong)}; {fix}")
+
+
 class HiddenCache:
     def __init__(self, directory: str, index: dict):
         self.directory, self.index = directory, index
@@ -167,6 +198,14 @@ class HiddenCache:
         if not index.get("complete"):
             raise UserError(f"hidden-state cache {directory} is incomplete (its dump was interrupted): run "
                             "python -m training.dump again with the same overrides to finish it")
+        per_shard = index.get("shard_sequences")
+        if not isinstance(per_shard, int) or isinstance(per_shard, bool) or per_shard < 1:
+            raise UserError(f"hidden-state cache {directory}: {INDEX} has no shard_sequences (a positive integer)")
+        for split in SPLITS:
+            total = index["sequences"][split]
+            for shard in range(shard_count(total, per_shard)):
+                first = shard * per_shard
+                check_shard(shard_path(directory, split, shard), first, min(per_shard, total - first), index)
         return cls(directory, index)
 
     def _read(self, split: str, index: int, name: str):
@@ -282,10 +321,13 @@ def write(cfg: DictConfig, target, layers: list[int], train_set, eval_set, state
     written = skipped = reused = computed = 0
     for split, shard in tqdm(mine, desc="dump", unit="shard", disable=not state.is_main_process, dynamic_ncols=True):
         path = shard_path(directory, split, shard)
-        if os.path.exists(path):
+        if os.path.exists(path):  # an earlier dump's, if it is whole and this cache's
+            first = shard * expected["shard_sequences"]
+            check_shard(path, first, min(expected["shard_sequences"], len(datasets[split]) - first), expected)
             skipped += 1
             continue
-        copied, ran = write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path, regenerated)
+        copied, ran = write_shard(target, layers, datasets[split], shard, cfg.data.cache, pad_id, path, digest(expected),
+                                  regenerated)
         reused, computed, written = reused + copied, computed + ran, written + 1
         log.info("dump: wrote %s", os.path.basename(path))
     log.info("dump process %d: wrote %d shards (%d sequences run through the target, %d copied from the states "
@@ -330,9 +372,9 @@ def _encoded(aux: torch.Tensor, final: torch.Tensor, greedy: torch.Tensor, dtype
     return stored
 
 
-def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str,
+def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_id: int, path: str, cache: str,
                 regenerated: RegenCapture | None = None) -> tuple[int, int]:
-    """Write one shard; returns how many of its sequences were copied from the states `regenerated`
+    """Write one shard, recording the `cache` digest it belongs to; returns how many of its sequences were copied from the states `regenerated`
     kept and how many the target ran over."""
     per_shard, dtype = int(cache_cfg.shard_sequences), str(cache_cfg.dtype)
     first = shard * per_shard
@@ -360,7 +402,7 @@ def write_shard(target, layers, dataset, shard: int, cache_cfg: DictConfig, pad_
     for name, counts in lengths.items():
         tensors[f"{name}_offsets"] = torch.tensor([0, *counts]).cumsum(0)
     with atomic_file(path, key="data.cache.dir") as partial:  # complete or absent: what a restart relies on
-        save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices))})
+        save_file(tensors, partial, metadata={"first_sequence": str(first), "sequences": str(len(indices)), "cache": cache})
     return len(indices) - len(by_length), len(by_length)
 
 

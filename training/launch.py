@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from drafters.config.errors import BUG, USER_MISTAKE, UserError, command
+from drafters.storage.writes import check_not_owned
 from training import distributed, settings
 
 
@@ -25,16 +26,17 @@ from training import distributed, settings
 def main(cfg: DictConfig) -> None:
     settings.check(cfg)
     hydra_cfg = HydraConfig.get()
+    if cfg.launch.module == "training.run":  # a bad input fails here once, not once per process (dry run too)
+        from training.trainer import preflight
+
+        preflight(cfg, hydra_cfg.runtime.output_dir)
+        check_not_owned(hydra_cfg.runtime.output_dir, "hydra.run.dir")
     plan, command, refused = make_plan(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
     print("launch plan (dry run: nothing started)" if cfg.launch.dry_run else "launch plan")
     print(yaml.safe_dump(plan, sort_keys=False, width=1 << 16), flush=True)
     if refused:
         raise UserError(refused)
     if not cfg.launch.dry_run:
-        if cfg.launch.module == "training.run":  # a bad input fails here once, not once per process
-            from training.trainer import preflight
-
-            preflight(cfg, hydra_cfg.runtime.output_dir)
         start(command)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import matplotlib
@@ -10,7 +11,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from drafters.storage.writes import atomic_file  # noqa: E402
+from drafters.config.errors import UserError  # noqa: E402
+from drafters.storage.writes import atomic_file, no_space, out_of_space  # noqa: E402
+
+log = logging.getLogger("training")
 
 
 class MetricsLog:
@@ -23,23 +27,46 @@ class MetricsLog:
         if not self.accelerator.is_main_process:
             return
         record = {"step": step, **values}
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+        except OSError as error:  # a torn line is left out when the run resumes
+            if out_of_space(error):
+                raise no_space("metrics", self.path, "the checkpoints are intact: free some space and rerun with "
+                               "trainer.resume=auto") from None
+            raise
         self.accelerator.log(values, step=step)
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop what a killed run logged past its last checkpoint, so steps stay unique."""
-        if not self.accelerator.is_main_process:
+        """At the start: drop what a killed run logged past its last checkpoint (or before any), so
+        that steps stay unique and the curves are this run's."""
+        if not self.accelerator.is_main_process or not os.path.exists(self.path):
             return
         kept = [r for r in self.records() if r["step"] <= step]
         with atomic_file(self.path, key="metrics") as partial, open(partial, "w") as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
 
     def records(self) -> list[dict]:
+        """Every record logged; a torn last line (a kill or a full disk while appending) is left out."""
         if not os.path.exists(self.path):
             return []
-        with open(self.path) as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+        with open(self.path, "rb") as handle:
+            lines = [line for line in handle.read().decode("utf-8", "replace").split("\n")]
+        found = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError("not a record with a step")
+            except ValueError as error:
+                if number == len(lines):  # no newline after it: it was being written
+                    log.warning("%s: line %d is torn (%s); left out", self.path, number, error)
+                    continue
+                raise UserError(f"{self.path}:{number}: not a metrics record ({error}); remove that line to go on") from None
+            found.append(record)
+        return found
 
     def plot(self) -> None:
         """loss.png, acceptance_by_position.png, sim_accept_len.png from everything logged so far."""

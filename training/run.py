@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from drafters.config.errors import command
+from drafters.storage.writes import owned
 
 log = logging.getLogger("training")
 
@@ -20,7 +22,8 @@ def main(cfg: DictConfig) -> None:
 
     settings.check(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
-    result = train(cfg, run_dir)
+    with owned(run_dir, "hydra.run.dir") if os.environ.get("RANK", "0") == "0" else nullcontext():  # one owner per run
+        result = train(cfg, run_dir)
     log.info("outputs: %s (metrics.jsonl, plots/, checkpoints/latest)", os.path.abspath(run_dir))
     log.info("final eval/sim_accept_len: %.3f", result["eval/sim_accept_len"])
     log.info("serve it: python -m serving.run artifact=%s prompt=\"...\"",

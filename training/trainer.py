@@ -24,7 +24,7 @@ from drafters.storage import artifact
 
 from drafters.base import build_drafter, capture, sim_accept_len, teacher_signal
 from drafters.config.errors import UserError
-from drafters.storage.writes import atomic_file, check_not_in_saved, holds_checkpoints
+from drafters.storage.writes import atomic_file, check_run_dir, record_owner
 from drafters.target import precision
 from drafters.target.model import load_target
 from drafters.target.vocab import build_draft_vocab, load_or_build, tokenizer_fingerprint
@@ -338,9 +338,7 @@ def preflight(cfg: DictConfig, run_dir: str) -> tuple[str, artifact.TrainingStat
     """The checks that need no model, before any work or process group (training.launch runs them
     once before it starts processes): the run dir, the data file, what to resume. Returns the
     checkpoint to resume from and its state, or None."""
-    check_not_in_saved(run_dir, "hydra.run.dir")
-    if holds_checkpoints(run_dir):
-        raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
+    check_run_dir(run_dir)
     data.data_source(cfg.data.path)
     if cfg.data.hidden_states == "cached":
         hidden_cache.check_destination(str(cfg.data.cache.dir))
@@ -348,6 +346,31 @@ def preflight(cfg: DictConfig, run_dir: str) -> tuple[str, artifact.TrainingStat
     if block is not None and block > cfg.data.max_length:
         raise UserError(f"drafter.block_size={block}: must be <= data.max_length={cfg.data.max_length}")
     return checkpoint.find(cfg.trainer.resume, os.path.join(run_dir, "checkpoints"), cfg.trainer.max_steps)
+
+
+def empty_window() -> dict:
+    """The sums of the training steps since the last logged line (tensors until logged: no host syncs)."""
+    return {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}, "counts": {}}
+
+
+def log_window(window: dict, done: int, tokens_seen: int, schedule, metrics_log, progress, accelerator, cfg) -> dict:
+    """Log the window's means at step `done` and return an empty one; a non-finite loss in any process
+    stops the run before anything is saved from it."""
+    loss = window["loss"] / window["n"]
+    nonfinite = accelerator.reduce(torch.as_tensor(loss, dtype=torch.float32, device=accelerator.device).isfinite()
+                                   .logical_not().float(), reduction="sum")
+    if float(nonfinite):
+        raise UserError(f"training diverged: train/loss is not finite by step {done} (trainer.lr={cfg.trainer.lr}); "
+                        f"nothing from these steps was saved (checkpoints/latest, if any, is the last finite checkpoint): "
+                        "lower trainer.lr, or check drafter.init_from")
+    values = {"train/loss": float(loss), "train/lr": schedule.get_last_lr()[0],
+              "train/tokens": tokens_seen, "perf/tokens_per_s": window["tokens"] / window["time"]}
+    values.update({f"train/{k}": float(v) / window["counts"][k] for k, v in window["metrics"].items()
+                   if k.startswith("acc/")})
+    metrics_log.log(done, values)
+    progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
+                         tok_s=f"{values['perf/tokens_per_s']:.0f}")
+    return empty_window()
 
 
 def train(cfg: DictConfig, run_dir: str) -> dict:
@@ -418,8 +441,6 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             init_kwargs={"wandb": {"dir": run_dir, "name": os.path.basename(run_dir), "mode": cfg.logger.mode}},
         )
     metrics_log = MetricsLog(accelerator, run_dir)
-    if resume_from:
-        metrics_log.truncate_after(start_step)
     hparams = accelerator.unwrap_model(drafter).hparams()
     global_batch = cfg.trainer.batch_size * cfg.trainer.grad_accum * accelerator.num_processes
     if cfg.trainer.batch_size * accelerator.num_processes > len(train_set):  # a micro-batch would repeat sequences
@@ -436,10 +457,12 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
     teacher = make_teacher(cfg, target, vocab, layers, train_set, eval_set, accelerator)
     if accelerator.is_main_process:  # every check has passed: this run starts
         record_config(cfg, run_dir)
+        record_owner(run_dir)
+    metrics_log.truncate_after(start_step)  # what a killed run logged past its last checkpoint (all of it, if none)
     drafter.train()
     batches = BatchOrder(cfg, [len(ids) for ids in train_set["input_ids"]], accelerator.num_processes)
     tokens_seen = sum(batches.tokens(step) for step in range(start_step))  # what a learning curve is drawn over
-    window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}, "counts": {}}
+    window = empty_window()
     last_eval: dict = {}
     progress = tqdm(initial=start_step, total=rate.total, desc="train", disable=not accelerator.is_main_process,
                     dynamic_ncols=True)
@@ -481,14 +504,7 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
         progress.update()
         last = done == rate.total
         if done % cfg.trainer.log_every == 0 or last:
-            values = {"train/loss": float(window["loss"]) / window["n"], "train/lr": schedules[0].get_last_lr()[0],
-                      "train/tokens": tokens_seen, "perf/tokens_per_s": window["tokens"] / window["time"]}
-            values.update({f"train/{k}": float(v) / window["counts"][k] for k, v in window["metrics"].items()
-                           if k.startswith("acc/")})
-            metrics_log.log(done, values)
-            progress.set_postfix(loss=f"{values['train/loss']:.3f}", acc1=f"{values.get('train/acc/1', 0):.2f}",
-                                 tok_s=f"{values['perf/tokens_per_s']:.0f}")
-            window = {"tokens": 0, "time": 0.0, "loss": 0.0, "n": 0, "metrics": {}, "counts": {}}
+            window = log_window(window, done, tokens_seen, schedules[0], metrics_log, progress, accelerator, cfg)
         if eval_due(done, cfg.trainer) or last:
             eval_began = time.perf_counter()
             last_eval = evaluate(drafter, target, teacher, eval_set, cfg, accelerator, pad_id)
@@ -501,6 +517,8 @@ def train(cfg: DictConfig, run_dir: str) -> dict:
             progress.total = rate.total
             last = done == rate.total  # the re-plan may end the run here: then it saves here
         if done % cfg.trainer.save_every == 0 or last:
+            if window["n"]:  # a window ends at every checkpoint, so that a resumed run logs what this one would
+                window = log_window(window, done, tokens_seen, schedules[0], metrics_log, progress, accelerator, cfg)
             state = artifact.TrainingState(done, **identity, vocab_source=vocab_key, hparams=hparams, target_spec=target.spec.to_dict(),
                                            config=OmegaConf.to_container(cfg, resolve=True), precision=precisions)
             checkpoint.save(accelerator, drafter, checkpoints_dir, state, cfg.trainer.keep_last)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import re
 import sys
@@ -42,6 +43,9 @@ def fail(message: str) -> None:
     grouped = torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
     if os.environ.get("RANK", "0") != "0" and not grouped:
         sys.exit(USER_MISTAKE)
+    bars = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(bars, "tqdm", None), "_instances", [])):
+        bar.close()  # a progress bar left open would hold the start of the error's line
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     sys.exit(USER_MISTAKE)
 
@@ -53,6 +57,7 @@ def entry_point(main):
 
     @functools.wraps(main)
     def run(*args, **kwargs):
+        logging.raiseExceptions = False  # a log line that cannot be written (a full disk) is dropped, not a traceback
         try:
             return main(*args, **kwargs)
         except MainProcessFailed:
@@ -147,7 +152,8 @@ def check_command_line(config_name: str, overrides: list[str]) -> None:
         return
     if not run_dir.strip():  # Hydra would run in the working directory, among the user's files
         raise UserError("hydra.run.dir=: must not be empty")
-    from drafters.storage.writes import check_creatable
+    from drafters.storage.writes import check_creatable, check_run_dir
 
     check_creatable(run_dir, "hydra.run.dir")
+    check_run_dir(run_dir, model_dir_ok=config_name != "train")  # before Hydra writes its log there
 

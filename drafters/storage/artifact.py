@@ -109,6 +109,43 @@ class SavedDrafter:
         if problems:
             raise UserError(f"{where}: {'; '.join(problems)} (drafter {self.drafter}, target {self.verifier['name']})")
 
+    def check(self, where: str) -> None:
+        """One line for a malformed record: a field of the wrong type, weights missing or wrongly
+        shaped, index tensors (`d2t`, `t2d`) of the wrong dtype or out of range, non-finite weights."""
+        for name, kind in (("drafter", str), ("hparams", dict), ("verifier", dict), ("target", dict), ("proposal", dict)):
+            if not isinstance(getattr(self, name), kind):
+                raise UserError(f"artifact {where}: {name} must be a {'JSON object' if kind is dict else 'string'}, "
+                                f"not {type(getattr(self, name)).__name__}")
+        for name in VERIFIER_FIELDS:
+            value = self.verifier.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"artifact {where}: verifier.{name} must be a positive integer, not {value!r}")
+        steps = self.proposal.get("steps")
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise UserError(f"artifact {where}: proposal.steps must be a positive integer, not {steps!r}")
+        if not isinstance(self.verifier.get("name"), str):
+            raise UserError(f"artifact {where}: verifier.name must be a string, not {self.verifier.get('name')!r}")
+        drafter_class(self.drafter)
+        try:
+            self.check_weights(where)
+        except (KeyError, TypeError, ValueError) as error:
+            raise UserError(f"artifact {where}: hparams do not describe a {self.drafter} drafter ({error})") from None
+        self.check_vocab(where)
+        for name, tensor in self.weights.items():
+            if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+                raise UserError(f"artifact {where}: weight {name} is not finite (NaN or inf): the head diverged in "
+                                "training, or the file is damaged")
+
+    def check_vocab(self, where: str) -> None:
+        """`d2t` maps every draft id into the target's vocabulary; `t2d` marks target ids."""
+        d2t, t2d = self.weights["d2t"], self.weights["t2d"]
+        if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+            raise UserError(f"artifact {where}: d2t must be int64 and t2d bool, not {d2t.dtype} and {t2d.dtype}")
+        target_ids = torch.arange(len(d2t)) + d2t
+        if len(d2t) and not (0 <= int(target_ids.min()) and int(target_ids.max()) < self.verifier["vocab_size"]):
+            raise UserError(f"artifact {where}: d2t maps draft ids to target ids {int(target_ids.min())}..."
+                            f"{int(target_ids.max())}, outside the target's vocabulary of {self.verifier['vocab_size']}")
+
     def check_target(self, spec: TargetSpec, where: str) -> None:
         for name in VERIFIER_FIELDS:
             if self.verifier[name] != getattr(spec, name):
@@ -146,11 +183,15 @@ def default_proposal(drafter: str, hparams: dict) -> dict:
 
 
 def read_json(path: str, where: str) -> dict:
+    """A JSON object from `path`, or a one-line UserError naming the artifact `where`."""
     try:
         with open(path) as handle:
-            return json.load(handle)
+            document = json.load(handle)
     except (json.JSONDecodeError, OSError, UnicodeDecodeError) as error:
         raise UserError(f"artifact {where} is unreadable ({str(error).splitlines()[0]})") from None
+    if not isinstance(document, dict):
+        raise UserError(f"artifact {where}: {os.path.basename(path)} is not a JSON object")
+    return document
 
 
 def read_weights(path: str, where: str) -> dict[str, torch.Tensor]:
@@ -187,14 +228,17 @@ def read(path: str) -> SavedDrafter:
             if document.get("format_version") != NATIVE_VERSION:
                 raise UserError(f"artifact {path}: native format version {document.get('format_version')}, "
                                 f"this specdraft reads version {NATIVE_VERSION}")
-            return SavedDrafter(document["drafter"], document["hparams"], document["verifier"], document["target"],
-                                weights, document["proposal"])
-        state = TrainingState.parse(document, os.path.join(path, STATE_FILE))
-        target = state.config["target"]
-        return SavedDrafter(state.drafter, state.hparams, verifier_of(state.target_spec, target),
-                            target, weights, default_proposal(state.drafter, state.hparams))
+            saved = SavedDrafter(document["drafter"], document["hparams"], document["verifier"], document["target"],
+                                 weights, document["proposal"])
+        else:
+            state = TrainingState.parse(document, os.path.join(path, STATE_FILE))
+            target = state.config["target"]
+            saved = SavedDrafter(state.drafter, state.hparams, verifier_of(state.target_spec, target),
+                                 target, weights, default_proposal(state.drafter, state.hparams))
     except (KeyError, TypeError) as error:
         raise UserError(f"artifact {path}: {form} lacks field {error}") from None
+    saved.check(path)
+    return saved
 
 
 def load(path: str, target: Target | None = None, dtype: str = "auto") -> tuple[Target, Drafter]:

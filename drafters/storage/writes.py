@@ -13,9 +13,14 @@ Every writer (artifacts, checkpoints, caches, vocabularies, benchmark results, d
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import re
 import shutil
+import socket
+import time
 import tempfile
 import uuid
 from contextlib import contextmanager
@@ -70,6 +75,14 @@ def check_not_in_saved(path: str, key: str, may_be_model_dir: bool = False) -> N
         if os.path.dirname(probe) == probe:
             break
         probe = os.path.dirname(probe)
+
+
+def check_run_dir(run_dir: str, model_dir_ok: bool = False) -> None:
+    """Refuse a command's run dir (`hydra.run.dir`) inside a checkpoint or an artifact, or a run's
+    checkpoints/ dir (`model_dir_ok`: the run dir may itself be a model dir, as the cwd a benchmark logs to)."""
+    check_not_in_saved(run_dir, "hydra.run.dir", may_be_model_dir=model_dir_ok)
+    if holds_checkpoints(run_dir):
+        raise UserError(f"hydra.run.dir {run_dir} is another run's checkpoints/ dir: give the run dir above it")
 
 
 def check_writable(out: str, key: str = "out") -> None:
@@ -160,10 +173,28 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
+def out_of_space(error: BaseException) -> bool:
+    """A write the system refused for lack of space (a full disk, a quota, a file size limit); torch
+    and safetensors wrap that OSError in exceptions of their own, known by their text."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    return any(phrase in str(error) for phrase in ("No space left", "Disk quota exceeded", "File too large",
+                                                    "file write failed"))
+
+
+def no_space(key: str, path: str, kept: str = "nothing was replaced") -> UserError:
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    free = shutil.disk_usage(parent).free / 2**20
+    return UserError(f"{key} {path}: no space left on the device ({free:.1f} MiB free there); {kept}")
+
+
 @contextmanager
-def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
-    """Yield a temp path beside `path` to write the whole file to; it replaces `path` once the body
-    succeeded (fsynced first), and is removed if it failed."""
+def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out", replace: bool = True):
+    """Yield a temp path beside `path` to write the whole file to; it becomes `path` once the body
+    succeeded (fsynced first), replacing it (or, without `replace`, only where no other process made
+    it meanwhile), and is removed if it failed."""
     check_destination(path, protect, key)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     remove_stale_partials(path)
@@ -171,11 +202,25 @@ def atomic_file(path: str, protect: tuple[str, ...] = (), key: str = "out"):
     try:
         yield partial
         seal(partial)
-        os.replace(partial, path)
+        if replace:
+            os.replace(partial, path)
+        else:
+            try:
+                os.link(partial, path)  # atomic, and fails where the name exists
+            except FileExistsError:
+                raise UserError(f"{key} {path} was written by another process meanwhile; nothing replaced") from None
+    except Exception as error:
+        if out_of_space(error):
+            raise no_space(key, path) from None
+        raise
         _fsync_directory(os.path.dirname(os.path.abspath(path)))
     finally:
         if os.path.lexists(partial):
             os.remove(partial)
+
+
+MARK_FILE = "specdraft.json"  # in every dir export.run writes: what it is; `overwrite=true` replaces only such dirs
+KINDS = {False: "drafter artifact", True: "model dir"}  # atomic_directory's `model` -> what it writes
 
 
 def check_directory_destination(out: str, overwrite: bool = False, protect: tuple[str, ...] = (), key: str = "out",
@@ -189,13 +234,25 @@ def check_directory_destination(out: str, overwrite: bool = False, protect: tupl
     if os.path.islink(out) or os.path.lexists(out) and not os.path.isdir(out):
         raise UserError(f"{key} {out} is a file or a link, not a directory it can replace")
     held = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    if held and "config.json" not in held:  # every artifact and model dir has one; a user's folder need not
-        raise UserError(f"{key} {out} is not an artifact or model dir (no config.json; it holds "
-                        f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): overwrite=true replaces only those")
-    has_tokenizer = bool({"tokenizer.json", "tokenizer_config.json"} & set(held))  # models have one, drafter artifacts not
-    if held and has_tokenizer != model:
-        what, wanted = ("a drafter artifact", "a model dir") if model else ("a model with its tokenizer", "a drafter artifact")
-        raise UserError(f"{key} {out} holds {what}, not {wanted}: overwrite=true replaces only {wanted}")
+    if not held:
+        return
+    written = read_mark(out)
+    if written is None:  # a user's folder, their model, anything export.run did not write
+        raise UserError(f"{key} {out} was not written by specdraft's export (no {MARK_FILE}; it holds "
+                        f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): overwrite=true replaces only "
+                        "what export wrote; remove it yourself or choose another dir")
+    if written != KINDS[model]:
+        raise UserError(f"{key} {out} holds a {written}, not a {KINDS[model]}: overwrite=true replaces only a {KINDS[model]}")
+
+
+def read_mark(directory: str) -> str | None:
+    """What export wrote in `directory` (a KINDS value), or None where it did not write it."""
+    try:
+        with open(os.path.join(directory, MARK_FILE)) as handle:
+            kind = json.load(handle).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in KINDS.values() else None
 
 
 @contextmanager
@@ -203,10 +260,11 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
                      model: bool = False):
     """Yield an empty temp dir beside `out` that becomes `out` by rename once the body succeeded.
 
-    An existing `out` is refused, or with `overwrite` (when it is empty or of the kind written: a
-    drafter artifact, or with `model` a model dir with its tokenizer) replaced only after the new one is complete
-    (old moved aside, new renamed in, old deleted): `out` is never half-written, and a failure
-    removes the temp dir and leaves `out` as it was. `out` is checked first (`check_destination`).
+    An existing `out` is refused, or with `overwrite` (when it is empty or of the kind written and
+    marked as written here: a drafter artifact, or with `model` a model dir) replaced only after the
+    new one is complete (old moved aside, new renamed in, old deleted): `out` is never half-written,
+    and a failure removes the temp dir and leaves `out` as it was. `out` is checked first
+    (`check_destination`), and again at the end: another process may have written it meanwhile.
     """
     check_directory_destination(out, overwrite, protect, key, model)
     out = os.path.abspath(out)
@@ -216,10 +274,15 @@ def atomic_directory(out: str, overwrite: bool = False, protect: tuple[str, ...]
     os.mkdir(partial)
     try:
         yield partial
+        with open(os.path.join(partial, MARK_FILE), "w") as handle:
+            json.dump({"kind": KINDS[model], "written_by": "specdraft export.run"}, handle)
         seal(partial)
+        check_directory_destination(out, overwrite, protect, key, model)
         commit_directory(partial, out)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
+        if out_of_space(error):
+            raise no_space(key, out) from None
         raise
 
 
@@ -238,3 +301,48 @@ def commit_directory(partial: str, out: str) -> None:
     else:
         os.replace(partial, out)
     _fsync_directory(os.path.dirname(os.path.abspath(out)))
+
+
+LOCK_FILE = ".specdraft.lock"  # held (flock) by the process that owns a run dir; the kernel frees it when that process dies
+
+
+@contextmanager
+def owned(directory: str, key: str):
+    """Hold the run dir `directory` for the body, or refuse it (the setting `key`) while another live
+    process holds it. A crashed process leaves nothing stuck: its lock dies with it."""
+    os.makedirs(directory, exist_ok=True)
+    descriptor = _lock(directory, key)
+    try:
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def record_owner(directory: str) -> None:
+    """Write who holds `directory` into its lock file, once the run's checks have passed (a refused
+    run changes nothing), for the line that refuses the next one."""
+    with open(os.path.join(directory, LOCK_FILE), "w") as handle:  # the same file: the lock stays
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}, handle)
+
+
+def check_not_owned(directory: str, key: str) -> None:
+    """Refuse `directory` while a live process holds it (`owned`), taking nothing."""
+    if os.path.isfile(os.path.join(directory, LOCK_FILE)):
+        os.close(_lock(directory, key))
+
+
+def _lock(directory: str, key: str) -> int:
+    """An open descriptor of `directory`'s lock file, locked for this process, or a UserError naming the holder."""
+    descriptor = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666 & ~UMASK)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(descriptor, 4096).decode("utf-8", "replace")
+        os.close(descriptor)
+        try:
+            holder = ", ".join(f"{name} {value}" for name, value in json.loads(holder).items())
+        except (ValueError, AttributeError):  # not written yet: the holder is still checking its input
+            holder = "another process"
+        raise UserError(f"{key} {os.path.abspath(directory)} is in use by a run still going ({holder}): wait for it to "
+                        "end, or choose another dir") from None
+    return descriptor
