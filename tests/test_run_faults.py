@@ -1,7 +1,8 @@
 """Faults around a training run and the files it owns (docs/errors.md): resuming without `latest`,
 foreign files in checkpoints/, torn or stale metrics, two runs in one dir, a diverged head, full
 disks, and an export aimed at the model it reads. Each case checks that what existed before is
-byte-identical afterwards, or, where the run goes on, that it continued from the right checkpoint."""
+byte-identical afterwards, or, where the run goes on, that it continued from the right checkpoint.
+Each trains the tiny target in a process of its own: CI runs them after the suite (`-m long`)."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from conftest import ROOT
 from drafters.storage.artifact import read
 from test_bad_input import TINY, snapshot, train_cli
 
+pytestmark = pytest.mark.long
 SAVES = ["trainer.save_every=2", "trainer.eval_every=2", "trainer.keep_last=3"]
 
 
@@ -110,7 +112,6 @@ def test_a_dead_runs_metrics_are_not_mixed_into_a_fresh_one(tmp_path):
     assert all(json.loads(line).get("train/loss") != 9.0 for line in (run / "metrics.jsonl").read_text().splitlines())
 
 
-@pytest.mark.long
 def test_a_resumed_run_logs_what_the_uninterrupted_one_logs(tmp_path):
     """A log window closes at every checkpoint, so a resume does not average a partial window (a
     constant schedule: the learning rate of a step does not depend on max_steps)."""
@@ -128,7 +129,6 @@ def test_a_resumed_run_logs_what_the_uninterrupted_one_logs(tmp_path):
     assert [step for step, _ in losses(straight)] == [2, 3, 4, 6]
 
 
-@pytest.mark.long
 def test_a_second_run_in_the_same_dir_is_refused_while_the_first_runs(tmp_path):
     run = tmp_path / "run"
     first = subprocess.Popen([sys.executable, "-m", "training.run", *TINY, f"hydra.run.dir={run}", "trainer.max_steps=100000",
@@ -164,7 +164,6 @@ def test_a_diverged_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
             read(str(run / "checkpoints" / step))
 
 
-@pytest.mark.long
 def test_export_never_writes_the_verifier_over_the_model_it_reads(trained, tmp_path):
     """A verifier dir export wrote, then used as a run's target: exporting that run's head with
     verifier_out= that dir must not replace the model being read, overwrite=true or not."""
