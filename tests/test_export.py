@@ -373,3 +373,33 @@ def test_a_whole_number_for_a_float_setting_saves_as_a_float(tiny_target):
     hparams = build_drafter(cfg, tiny_target, vocab).hparams()
     assert hparams["loss_decay"] == 1.0 and isinstance(hparams["loss_decay"], float)
     assert json.dumps(hparams["loss_decay"]) == "1.0"
+
+
+def test_gguf_is_llamacpps_lean_eagle3_draft(checkpoint, tmp_path):
+    """format=gguf through llama.cpp's own converter: its EAGLE-3 draft with our aux layers and draft
+    vocabulary, q8_0 matrices, and no embedding of its own (llama.cpp then reads the target's)."""
+    from export.formats.gguf import HEAD_FILE, llama_cpp_source
+
+    try:
+        source = llama_cpp_source()
+    except UserError as missing:
+        pytest.skip(str(missing))  # CI installs it (.ci/run)
+    with pytest.raises(UserError, match="reads the target as an HF dir: pass verifier_out"):
+        run_export(checkpoint=checkpoint, format="gguf", out=tmp_path / "refused")
+    run_export(checkpoint=checkpoint, format="gguf", out=tmp_path / "head", verifier_out=tmp_path / "target")
+    assert sorted(os.listdir(tmp_path / "head")) == [HEAD_FILE, "specdraft.json"]
+    sys.path.insert(0, os.path.join(source, "gguf-py"))
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.pop(0)
+    head = GGUFReader(str(tmp_path / "head" / HEAD_FILE))
+    field = head.fields["eagle3.target_layers"]
+    saved = artifact.read(checkpoint)
+    assert bytes(head.fields["general.architecture"].parts[-1]).decode() == "eagle3"
+    assert [int(field.parts[index][0]) for index in field.data] == saved.hparams["aux_layers"]
+    tensors = {tensor.name: tensor for tensor in head.tensors}
+    assert "token_embd.weight" not in tensors
+    assert tensors["fc.weight"].tensor_type.name == "Q8_0"
+    d2t = saved.weights["d2t"]  # llama.cpp stores the target id of each draft token, we its offset
+    assert torch.equal(torch.from_numpy(tensors["d2t"].data.copy()), torch.arange(len(d2t)) + d2t)
