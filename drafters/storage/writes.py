@@ -8,7 +8,10 @@ Every writer (artifacts, checkpoints, caches, vocabularies, benchmark results, d
   place: a reader sees the old file or the new one, never half of one;
 - its files get the permissions the umask gives (safetensors writes 0600 whatever the umask, which
   would hide an artifact from a server running as another user);
-- temp files an earlier, killed process left beside it are removed (their pid is gone).
+- temp files an earlier, killed process left beside it are removed (their pid is gone);
+- a directory it replaces must be one it wrote (`specdraft.json` says which kind), and a write the
+  disk has no room for is one line naming the file (`no_space`), the partial write removed.
+A training run holds its run dir (`owned`: a lock the kernel frees when the process dies).
 """
 
 from __future__ import annotations
