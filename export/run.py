@@ -59,8 +59,10 @@ def read_source(cfg: DictConfig) -> SavedDrafter:
 
 def write_verifier(saved: SavedDrafter, out: str, overwrite: bool, protect: tuple[str, ...]) -> str:
     """The target as an HF safetensors dir (a GGUF target dequantized) in bf16, whatever precision the
-    head was trained in: what vLLM and speculators load by path. Returns that path."""
-    target_cfg = OmegaConf.merge(saved.target, {"dtype": "bfloat16"})
+    head was trained in (float32 where the target is configured so, as tiny test targets are): what
+    vLLM and speculators load by path. Returns that path."""
+    kept = saved.target.get("dtype") in ("float32", "fp32")
+    target_cfg = OmegaConf.merge(saved.target, {"dtype": "float32" if kept else "bfloat16"})
     source = None if target_cfg.get("random_init") else resolve_path(target_cfg)
     protect = (*protect, source) if source and os.path.exists(source) else protect  # never over the model it reads
     check_directory_destination(out, overwrite, protect, "verifier_out", model=True)  # before the target loads
@@ -95,7 +97,7 @@ def export(cfg: DictConfig) -> str:
             saved.verifier["name_or_path"] = write_verifier(saved, cfg.verifier_out, cfg.overwrite, (checkpoint, out))
         elif cfg.verifier:
             saved.verifier["name_or_path"] = str(cfg.verifier)
-        fmt.write_checked(saved, partial, str(cfg.checkpoint))
+        fmt.write_checked(saved, partial, str(cfg.checkpoint), **{name: cfg[name] for name in fmt.options})
     return (f"wrote {fmt.name} artifact {out}: {saved.drafter} for target {saved.verifier['name']}, "
             f"aux layers {saved.skeleton().capture_layers()} (input of layer k), "
             f"verifier {saved.verifier['name_or_path'] or '(none recorded)'}")

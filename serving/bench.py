@@ -96,7 +96,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
     eos = {target.tokenizer.eos_token_id}
     plain_total, spec_total = Stats(), Stats()
     hf_totals = {kind: {"tokens": 0, "forwards": 0, "s": 0.0} for kind in ("lookup", "hf_plain")}
-    outcomes, gaps = [], []
+    outcomes, gaps, accepted_per_prompt, plain_outputs = [], [], [], []
     plain_sampler = sampler(cfg)
     for index, text in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         ids = chat_prompt(target.tokenizer, text).to(target.device)
@@ -115,6 +115,8 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
                     hf_totals[kind][key] += value
         plain_total.add(plain_stats)
         spec_total.add(spec_stats)
+        accepted_per_prompt.append(sum(spec_stats.accepted_by_pos))
+        plain_outputs.append(plain)
         if cfg.temperature <= 0:  # sampled outputs differ by chance: nothing to compare
             exact = target.embed_weight.dtype == torch.float32  # else a near-tie may round either way
             outcome, gap = compare(plain, spec, plain_stats.margins, exact, cfg.tie_tolerance)
@@ -153,6 +155,7 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         if totals["head_extensions"] else None,
         "new_tokens_spec": spec_total.new_tokens,
         "new_tokens_plain": plain_total.new_tokens,
+        "accepted_per_prompt": accepted_per_prompt,
     }
     if cfg.hf_plain:  # speed-ups are quoted against the faster plain loop: ours or transformers'
         result["tokens_per_s_hf_plain"] = hf_totals["hf_plain"]["tokens"] / hf_totals["hf_plain"]["s"]
@@ -164,7 +167,25 @@ def run_set(target, drafter, prompts, cfg, options: dict) -> dict:
         result["accept_len_prompt_lookup"] = lookup["tokens"] / lookup["forwards"]
         result["speedup_prompt_lookup"] = lookup_rate / plain_rate
         result["speedup_over_prompt_lookup"] = spec_rate / lookup_rate
-    return result
+    return result, plain_outputs
+
+
+def add_engine(cfg, results: dict, prompt_ids: dict[str, list[list[int]]], plain_outputs: dict, float32: bool) -> None:
+    """`engine=llamacpp|vllm`: the same prompts and K in that engine, beside our loop's figures."""
+    from serving.engines import engine_figures, tokens_per_forward
+
+    figures = engine_figures(cfg.engine, str(cfg.artifact), str(cfg.out), prompt_ids, cfg.steps, cfg.max_new_tokens,
+                             float32, cfg.engine_startup_s, plain_outputs, cfg.engine_head)
+    for name, figure in figures.items():
+        ours = results["datasets"][name]
+        # our loop counted as the engine's are: new tokens over (new tokens - accepted drafts)
+        ours_len = tokens_per_forward(ours["new_tokens_spec"], sum(ours["accepted_per_prompt"]))
+        ours["engine"] = {"name": cfg.engine, **figure, "accept_len_ours_counted_alike": ours_len,
+                          "accept_len_over_ours": figure["accept_len"] / ours_len}
+        print(f"{name} in {cfg.engine}: accept_len {figure['accept_len']:.2f} (ours {ours_len:.2f}), speed-up "
+              f"{figure['speedup']:.2f}x over its plain decoding ({figure['tokens_per_s_spec']:.1f} vs "
+              f"{figure['tokens_per_s_plain']:.1f} tokens/s), identical {figure['identical']:.0%}, its plain "
+              f"output = ours {figure['plain_matches_ours']:.0%}")
 
 
 def plot(results: dict, path: str) -> None:
@@ -213,10 +234,11 @@ def main(cfg: DictConfig) -> None:
     from drafters.storage import artifact
     from serving.engine import generate_plain
     from serving.prompts import chat_prompt, check_length, load_prompts
-    from serving.settings import announce_precision, check_options, spec_options
+    from serving.settings import announce_precision, check_engine, check_options, spec_options
 
     check(cfg, Bench)
     check_options(cfg)
+    check_engine(cfg)
     names = [cfg.prompts] if isinstance(cfg.prompts, str) else list(cfg.prompts)
     if not names or not all(isinstance(name, str) for name in names):
         raise UserError(f"prompts={cfg.prompts}: name one prompt set or file, or a non-empty list of them")
@@ -253,8 +275,10 @@ def main(cfg: DictConfig) -> None:
         "alpha_step_floor": floor and floor["step"],
         "datasets": {},
     }
+    plain_outputs = {}
     for name, prompts in sets.items():
-        results["datasets"][os.path.basename(name)] = result = run_set(target, drafter, prompts, cfg, options)
+        result, plain_outputs[os.path.basename(name)] = run_set(target, drafter, prompts, cfg, options)
+        results["datasets"][os.path.basename(name)] = result
         result["alpha_over_floor"] = result["alpha"] / floor["draft"] if result["alpha"] and floor else None
         result["alpha_step_over_floor"] = (result["alpha_step"] / floor["step"]
                                            if result["alpha_step"] and floor and floor["step"] else None)
@@ -263,6 +287,10 @@ def main(cfg: DictConfig) -> None:
         print(f"{name}: accept_len {result['accept_len']:.2f}, speed-up {result['speedup']:.2f}x "
               f"({result['tokens_per_s_spec']:.1f} vs {result['tokens_per_s_plain']:.1f} tokens/s), {same}"
               + (f"; prompt lookup {result['speedup_prompt_lookup']:.2f}x" if "speedup_prompt_lookup" in result else ""))
+    if cfg.engine != "ours":
+        prompt_ids = {os.path.basename(name): [chat_prompt(target.tokenizer, text)[0].tolist() for text in prompts]
+                      for name, prompts in sets.items()}
+        add_engine(cfg, results, prompt_ids, plain_outputs, target.embed_weight.dtype == torch.float32)
     check_replaceable(written, cfg.overwrite)  # another run may have written them meanwhile
     with atomic_file(out, replace=cfg.overwrite) as partial, open(partial, "w") as handle:
         json.dump(results, handle, indent=1)

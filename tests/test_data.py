@@ -406,3 +406,15 @@ def test_regenerate_drops_prompts_too_long_for_training(tokenizer, tiny_model, t
     out = regenerate(tiny_model, tokenizer, PROMPTS, max_new_tokens=2, batch_size=2, cache_dir=str(tmp_path),
                      target_id="tiny", max_prompt_tokens=limit)
     assert len(out) == sum(n <= limit for n in lengths) < len(PROMPTS)
+
+
+def test_spec_bench_sets_are_its_categories():
+    """Spec-Bench, vendored: 480 first turns, 80 of each category outside MT-bench's eight (10 each),
+    in file order; an unknown category is one line naming the known ones."""
+    everything = load_prompts("specbench")
+    assert len(everything) == 480 and everything[:80] == load_prompts("mtbench")
+    translation = load_prompts("specbench/translation")
+    assert len(translation) == 80 and all(text.startswith("Translate") for text in translation)
+    assert len(load_prompts("specbench/writing")) == 10 and len(load_prompts("specbench/rag", 5)) == 5
+    with pytest.raises(UserError, match="no category 'poetry' .*translation"):
+        load_prompts("specbench/poetry")

@@ -378,7 +378,8 @@ def test_a_whole_number_for_a_float_setting_saves_as_a_float(tiny_target):
 def test_gguf_is_llamacpps_lean_eagle3_draft(checkpoint, tmp_path):
     """format=gguf through llama.cpp's own converter: its EAGLE-3 draft with our aux layers and draft
     vocabulary, q8_0 matrices, and no embedding of its own (llama.cpp then reads the target's)."""
-    from export.formats.gguf import HEAD_FILE, llama_cpp_source
+    from drafters.storage.engines import llama_cpp_source
+    from export.formats.gguf import HEAD_FILE
 
     try:
         source = llama_cpp_source()

@@ -82,11 +82,12 @@ class Format:
     write: Callable[[SavedDrafter, str], None]  # the artifact's files into an empty directory
     recognizes: Callable[[dict], bool] | None = None  # another engine's format: is a config.json ours to read
     read: Callable[[str, dict, ImportFor], SavedDrafter] | None = None  # (dir, its config.json, ...) -> ours
+    options: tuple[str, ...] = ()  # export settings `write` takes as keyword arguments (conf/export.yaml)
 
-    def write_checked(self, saved: SavedDrafter, directory: str, where: str) -> None:
+    def write_checked(self, saved: SavedDrafter, directory: str, where: str, **options) -> None:
         """Keys and shapes are checked before anything is written: a bad checkpoint never becomes an artifact."""
         saved.check_weights(where)
-        self.write(saved, directory)
+        self.write(saved, directory, **{name: options[name] for name in self.options})
 
 
 FORMATS = Registry(__name__)

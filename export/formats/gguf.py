@@ -11,30 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 from drafters.config.errors import UserError
 from drafters.storage.artifact import SavedDrafter
-from drafters.target.model import cache_root
+from drafters.storage.engines import convert_to_gguf, llama_cpp_source
 from export.formats import Format, register
 from export.formats import speculators
 from export.formats.eagle3 import EMBEDDING
 
-LLAMA_CPP = "11434.0.0"  # scripts/install_engines.sh installs this version
 HEAD_FILE = "head.gguf"
 
 
-def llama_cpp_source() -> str:
-    """Where install_engines.sh put llama.cpp's source, or the line that says how to get it."""
-    source = os.path.join(cache_root(), "engines", f"llama.cpp-{LLAMA_CPP}")
-    if not os.path.isfile(os.path.join(source, "convert_hf_to_gguf.py")):
-        raise UserError(f"format=gguf: llama.cpp's converter is not installed in {source}: run "
-                        "bash scripts/install_engines.sh llamacpp-converter")
-    return source
-
-
-def write(saved: SavedDrafter, directory: str) -> None:
+def write(saved: SavedDrafter, directory: str, gguf_type: str = "q8_0") -> None:
     target_dir = saved.verifier.get("name_or_path") or ""
     if not os.path.isfile(os.path.join(target_dir, "config.json")):
         raise UserError("format=gguf: llama.cpp's converter reads the target as an HF dir: pass verifier_out=<dir> "
@@ -42,22 +30,17 @@ def write(saved: SavedDrafter, directory: str) -> None:
     if saved.hparams.get("fc_norm"):
         raise UserError("format=gguf: this head norms each aux state before fc (drafter.fc_norm=true), "
                         "which llama.cpp's EAGLE-3 does not compute")
-    source = llama_cpp_source()
+    llama_cpp_source()  # its one-line error before any work
     layout = os.path.join(directory, "speculators")  # inside the artifact's temp dir, removed below
     lean = dataclasses.replace(saved, weights={name: w for name, w in saved.weights.items() if name != EMBEDDING})
     os.mkdir(layout)
     speculators.write(lean, layout)
-    paths = [os.path.join(source, "gguf-py"), os.path.join(source, "pydeps")]
-    result = subprocess.run([sys.executable, os.path.join(source, "convert_hf_to_gguf.py"), layout,
-                             "--target-model-dir", target_dir, "--outtype", "q8_0",
-                             "--outfile", os.path.join(directory, HEAD_FILE)],
-                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)})
-    for name in os.listdir(layout):
-        os.remove(os.path.join(layout, name))
-    os.rmdir(layout)
-    if result.returncode:
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"format=gguf: llama.cpp's converter failed ({last})")
+    try:
+        convert_to_gguf(layout, os.path.join(directory, HEAD_FILE), gguf_type, target_dir=target_dir)
+    finally:
+        for name in os.listdir(layout):
+            os.remove(os.path.join(layout, name))
+        os.rmdir(layout)
 
 
-register(Format("gguf", "eagle3", write=write))
+register(Format("gguf", "eagle3", write=write, options=("gguf_type",)))
