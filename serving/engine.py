@@ -243,9 +243,7 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
     while not done:
         iteration = time.perf_counter()
         length = cache.get_seq_length()  # target positions in cache; `last` sits at `length`
-        # drafts for the tokens still to come but the last, which the verification's bonus token fills
-        # (as llama.cpp bounds them: a draft there would cost a draft step and add nothing)
-        remaining = max_new_tokens - len(tokens) - 1
+        remaining = max_new_tokens - len(tokens)  # never draft deeper than the tokens still to come
         found, found_parents, match = lookup.propose(min(ngram.length, remaining), branches) if lookup else ([], [], 0)
         if planner:
             head_drafts, ngram_drafts = planner.plan(head is not None, len(found), match, both=sampler.greedy)

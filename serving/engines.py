@@ -278,6 +278,8 @@ def measure(engine, sets: dict[str, list[list[int]]], max_new_tokens: int, start
             ours_plain: dict[str, list[list[int]]]) -> dict[str, dict]:
     """Both servers up at once, each prompt sent to both, the order alternating; then both stopped."""
     plain_server, spec_server = engine.servers(work)
+    print(f"{engine.name}: starting a plain and a speculative server (logs: {plain_server.log}, {spec_server.log})",
+          file=sys.stderr, flush=True)
     try:
         for server in (plain_server, spec_server):
             server.start()
