@@ -139,7 +139,7 @@ class LlamaCpp:
 
     def __init__(self, checkpoint: str, work: str, steps: int, float32: bool, head: str | None = None):
         binary = llama_server()
-        if head and not (os.path.isfile(head) and head.endswith(".gguf")):
+        if head and not os.path.isfile(head):
             raise UserError(f"engine_head={head}: llama.cpp serves a head .gguf file (export format=gguf writes one)")
         saved = artifact.read(checkpoint)
         if saved.drafter != "eagle3":

@@ -104,8 +104,14 @@ def check_engine(cfg: DictConfig) -> None:
     if named:
         raise UserError(f"engine={cfg.engine}: {', '.join(named)}: an engine is compared with our loop greedy, on "
                         "fixed chains (draft=chain schedule=fixed temperature=0 min_confidence=0)")
-    if cfg.engine_head and not os.path.exists(cfg.engine_head):
-        raise UserError(f"engine_head={cfg.engine_head}: no such file or directory")
+    head = cfg.engine_head
+    if head and not os.path.exists(head):
+        raise UserError(f"engine_head={head}: no such file or directory")
+    if head and cfg.engine == "llamacpp" and not (os.path.isfile(head) and head.endswith(".gguf")):
+        raise UserError(f"engine_head={head}: llama.cpp serves a head .gguf file (export format=gguf writes one)")
+    if head and cfg.engine == "vllm" and not os.path.isfile(os.path.join(head, "config.json")):
+        raise UserError(f"engine_head={head}: vLLM serves a head directory with a config.json "
+                        "(export format=speculators writes one)")
     {"llamacpp": engines.llama_server, "vllm": engines.vllm_python}[cfg.engine]()  # installed, or how to install it
 
 

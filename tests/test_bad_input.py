@@ -260,6 +260,7 @@ CASES = [
     ("serve_topk_past_draft_vocab", "serving.run", ["artifact={root}/artifact", "draft=tree", "topk=100000"], "topk=100000: more children"),
     ("bench_engine_on_a_tree", "serving.bench", ["artifact={root}/artifact", "engine=vllm", "draft=tree", "out={tmp}/b.json"], "engine=vllm: draft=tree: an engine is compared"),
     ("bench_engine_head_missing", "serving.bench", ["artifact={root}/artifact", "engine=llamacpp", "engine_head={tmp}/no.gguf", "out={tmp}/b.json"], "engine_head={tmp}/no.gguf: no such file"),
+    ("bench_engine_head_not_a_gguf", "serving.bench", ["artifact={root}/artifact", "engine=llamacpp", "engine_head={root}/artifact", "out={tmp}/b.json"], "llama.cpp serves a head .gguf file"),
     ("bench_unknown_spec_bench_category", "serving.bench", ["artifact={root}/artifact", "prompts=specbench/poetry", "out={tmp}/b.json"], "Spec-Bench has no category 'poetry'"),
     ("bench_same_set_twice", "serving.bench", ["artifact={root}/artifact", "prompts=[mtbench,mtbench]", "out={tmp}/b.json"], "names the same set twice"),
     ("serve_ngram_shortest_above_longest", "serving.run", ["artifact={root}/artifact", "draft=ngram", "ngram.shortest=5", "ngram.longest=2"], "ngram.shortest=5 is above ngram.longest=2"),
