@@ -27,6 +27,11 @@ class Registry(dict):
         super().__init__()
         self.package, self.complete = package, False
 
+    def __setitem__(self, key, value):
+        if key in self and self[key] is not value:  # two modules claiming one name: the later would win silently
+            raise ValueError(f"{self.package}: {key!r} is registered twice ({self[key]!r} and {value!r})")
+        super().__setitem__(key, value)
+
     def everything(self) -> "Registry":
         if not self.complete:
             for module in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
@@ -115,6 +120,7 @@ class Drafter(nn.Module):
     Settings: type = settings.Drafter  # the keys of its conf/drafter/*.yaml, their types and ranges
     layer_config = None  # the LlamaConfig of its draft decoder layers, if Llama-shaped: saved for engines
     progress = 1.0  # the share of the training run done (the trainer sets it each step): for curricula
+    proposal_steps: int | None = None  # drafts per forward its artifact records (export steps=), if loaded from one
 
     def __init__(self, cfg: DictConfig, spec: TargetSpec, vocab: DraftVocab):
         super().__init__()

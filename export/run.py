@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters.base import check_settings
 from drafters.config import settings
-from drafters.config.errors import UserError, command
+from drafters.config.command import command
+from drafters.config.errors import UserError
 from drafters.storage.artifact import CONFIG_FILE, NATIVE_FORMAT, SavedDrafter, read, read_json
 from drafters.storage.writes import STATE_FILE, atomic_directory, check_directory_destination
 from drafters.target.model import load_target, resolve_path

@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from drafters.config.errors import UserError, command
+from drafters.config.command import command
+from drafters.config.errors import UserError
 from drafters.config.settings import check
 from drafters.proposal import StepDrafter
 from drafters.storage.writes import atomic_file, check_destination, check_writable

@@ -298,14 +298,14 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             drafts, parents = (torch.tensor(x, dtype=torch.long, device=device) for x in merged)
         candidates = torch.cat([last, drafts[None]], 1)
         parents = torch.cat([torch.tensor([-1], device=device), parents])[None]  # node 0: the last token
-        depth = 0  # the deepest draft's level
+        deepest = 0  # the deepest draft's level (not `depth`: that setting holds for every forward)
         mask = positions = None  # a plain step or a chain: the target's own causal mask and positions
         if len(drafts) and bool((parents[0, 1:] == torch.arange(len(drafts), device=device)).all()):
-            depth = len(drafts)  # a chain, verified as measure_verify_cost timed it
+            deepest = len(drafts)  # a chain, verified as measure_verify_cost timed it
         elif len(drafts):
             visible = tree_ancestors(parents)  # a node sees its ancestors
             mask = torch.cat([torch.ones(1, candidates.shape[1], length, dtype=torch.bool, device=device), visible], -1)
-            positions, depth = length + visible.sum(-1) - 1, int(visible.sum(-1).max()) - 1
+            positions, deepest = length + visible.sum(-1) - 1, int(visible.sum(-1).max()) - 1
             mask = mask[:, None]
         verifying = time.perf_counter()
         aux, final = target.capture(candidates, mask, layers, cache=cache, position_ids=positions)
@@ -324,7 +324,7 @@ def generate_spec(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         nodes = path[0, : accepted + 1]
         new = candidates[0, nodes[1:]].tolist() + [int(bonus)]
         stats.target_forwards += 1
-        stats.count(depth, accepted)
+        stats.count(deepest, accepted)
         stats.drafting_s += verifying - iteration
         stats.verify_forward_s += verified - verifying
         if planner:

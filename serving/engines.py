@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from drafters.config.errors import UserError
 from drafters.storage import artifact
-from drafters.storage.engines import convert_to_gguf, llama_server, vllm_python
+from drafters.storage.engines import check_vllm_vocabulary, convert_to_gguf, llama_server, vllm_python
 from drafters.target.model import resolve_path
 
 LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) [A-Z]+ \S+ \S+ \[[^]]*\] ")  # vLLM's: (Worker pid=1) ERROR 12-07 16:24:13 [x.py:1]
@@ -132,6 +132,22 @@ def export_head(checkpoint: str, fmt: str, out: str, options: dict) -> None:
         raise UserError(f"exporting {checkpoint} as format={fmt} failed: {last.removeprefix('error: ')}")
 
 
+# our drafter -> (export format, vLLM's method); its CPU build refuses dspark ("Model Runner V1 does not
+# support"), which only its GPU runner serves
+VLLM_METHODS = {"eagle3": ("speculators", "eagle3"), "eagle": ("vllm", "eagle"), "medusa": ("vllm", "medusa"),
+                "dflash": ("speculators", "dflash")}
+
+
+def check_head(engine: str, saved: artifact.SavedDrafter) -> None:
+    """One line where `engine` cannot serve this head (before any benchmark work)."""
+    served = {"llamacpp": ["eagle3"], "vllm": list(VLLM_METHODS)}[engine]
+    if saved.drafter not in served:
+        raise UserError(f"engine={engine}: serves {', '.join(served)} heads from this project, not {saved.drafter}")
+    if engine == "vllm":
+        check_vllm_vocabulary("engine=vllm", saved.drafter, saved.hparams["draft_vocab_size"],
+                              saved.verifier["vocab_size"])
+
+
 class LlamaCpp:
     """llama-server: the target as a GGUF (the file it came as, or converted), the head as format=gguf."""
 
@@ -142,8 +158,7 @@ class LlamaCpp:
         if head and not os.path.isfile(head):
             raise UserError(f"engine_head={head}: llama.cpp serves a head .gguf file (export format=gguf writes one)")
         saved = artifact.read(checkpoint)
-        if saved.drafter != "eagle3":
-            raise UserError(f"engine=llamacpp: serves EAGLE-3 heads from this project, not {saved.drafter}")
+        check_head(self.name, saved)
         hf = os.path.join(work, "target-hf")
         export_head(checkpoint, "gguf", os.path.join(work, "head"),
                     {"verifier_out": hf, "gguf_type": "f32" if float32 else "q8_0"})
@@ -188,7 +203,6 @@ class Vllm:
     """vLLM's OpenAI server from its own venv: the target as an HF dir, the head as format=speculators."""
 
     name = "vllm"
-    methods = {"eagle3": ("speculators", "eagle3")}  # our drafter -> (export format, vLLM's method)
 
     def __init__(self, checkpoint: str, work: str, steps: int, float32: bool, head: str | None = None):
         self.python = vllm_python()
@@ -196,10 +210,8 @@ class Vllm:
             raise UserError(f"engine_head={head}: vLLM serves a head directory with a config.json "
                             "(export format=speculators writes one)")
         saved = artifact.read(checkpoint)
-        if saved.drafter not in self.methods:
-            raise UserError(f"engine=vllm: serves {', '.join(self.methods)} heads from this project, "
-                            f"not {saved.drafter}")
-        fmt, method = self.methods[saved.drafter]
+        check_head(self.name, saved)
+        fmt, method = VLLM_METHODS[saved.drafter]
         hf, exported = os.path.join(work, "target-hf"), os.path.join(work, "head")
         export_head(checkpoint, fmt, exported, {"verifier_out": hf})
         head = os.path.abspath(head or exported)

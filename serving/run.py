@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from drafters.config.errors import UserError, command
+from drafters.config.command import command
+from drafters.config.errors import UserError
 from drafters.config.settings import check
 from serving.prompts import chat_prompt, check_length
 from serving.settings import Serve, announce_precision, check_options, sampler, spec_options
@@ -27,7 +28,8 @@ def main(cfg: DictConfig) -> None:
     eos = {target.tokenizer.eos_token_id}
     tokens, stats = generate_spec(target, drafter, ids, cfg.max_new_tokens, eos, **spec_options(cfg, target, drafter))
     print(target.tokenizer.decode(tokens, skip_special_tokens=True))
-    print(f"\n[spec] draft={cfg.draft} schedule={cfg.schedule}: {stats.new_tokens} tokens, "
+    shape = f"depth={cfg.depth}" if cfg.draft == "tree" else f"steps={cfg.steps}"
+    print(f"\n[spec] draft={cfg.draft} schedule={cfg.schedule} {shape}: {stats.new_tokens} tokens, "
           f"{stats.target_forwards} target forwards, "
           f"acceptance length {stats.accept_len:.2f}, {stats.new_tokens / stats.seconds:.1f} tokens/s")
     if cfg.compare_plain:

@@ -12,9 +12,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters.config.errors import UserError
 from drafters.config.settings import PRECISIONS, above, anything, at_least, between, nonempty, one_of
-from drafters.storage import engines
+from drafters.storage import artifact, engines
 from drafters.target import precision
 from drafters.target.precision import Precision
+from serving.engines import check_head
 
 
 @dataclass
@@ -112,6 +113,7 @@ def check_engine(cfg: DictConfig) -> None:
     if head and cfg.engine == "vllm" and not os.path.isfile(os.path.join(head, "config.json")):
         raise UserError(f"engine_head={head}: vLLM serves a head directory with a config.json "
                         "(export format=speculators writes one)")
+    check_head(cfg.engine, artifact.read(str(cfg.artifact)))
     {"llamacpp": engines.llama_server, "vllm": engines.vllm_python}[cfg.engine]()  # installed, or how to install it
 
 
@@ -121,13 +123,14 @@ def _tree(cfg: DictConfig) -> bool:
 
 def spec_options(cfg: DictConfig, target, drafter) -> dict:
     """generate_spec's keyword arguments from a serve/bench config (`schedule=auto` measures the
-    target's verification cost here, once); `steps=null` becomes the head's own default here."""
+    target's verification cost here, once); `steps=null` becomes what the head's artifact records
+    (export's `steps=`), else its drafter's default."""
     from serving.engine import NgramOptions, measure_verify_cost
     from serving.ngram import NgramDrafts
     from serving.schedule import AutoSchedule
 
     if cfg.steps is None:
-        cfg.steps = drafter.default_steps(drafter.hparams())
+        cfg.steps = drafter.proposal_steps or drafter.default_steps(drafter.hparams())
     if _tree(cfg) and cfg.topk > drafter.vocab.draft_size:
         raise UserError(f"topk={cfg.topk}: more children per node than the drafter's "
                         f"{drafter.vocab.draft_size}-token draft vocabulary")

@@ -54,3 +54,13 @@ def test_unknown_drafter_is_one_clear_error():
     assert result.returncode == 2
     assert result.stderr.splitlines() == ["error: drafter=nope: must be one of dflash | dspark | eagle | eagle3 | "
                                           "gemma_mtp | medusa | mtp"]
+
+
+def test_a_name_registered_twice_is_refused():
+    from drafters.base import DRAFTERS, drafter_class, register
+
+    eagle3 = drafter_class("eagle3")
+    register("eagle3")(eagle3)  # the same class again (a module imported twice) is harmless
+    with pytest.raises(ValueError, match="'eagle3' is registered twice"):
+        register("eagle3")(type("Eagle3Copy", (eagle3,), {}))
+    assert DRAFTERS["eagle3"] is eagle3 and eagle3.name == "eagle3"

@@ -75,7 +75,7 @@ def test_config_is_what_speculators_writes(exported, target):
     assert config["draft_vocab_size"] == 256 and config["block_size"] == 8 and config["target_hidden_size"] == 64
     assert config["aux_hidden_state_layer_ids"] == aux == [1, 2, 3, 4, 5]  # speculators counts like us
     assert config["mask_token_id"] == target.spec.vocab_size - 1
-    assert config["sample_from_anchor"] is False and config["sliding_window_non_causal"] is False
+    assert config["sample_from_anchor"] is False and config["sliding_window_non_causal"] is True  # vLLM: non-causal
     layer = config["transformer_layer_config"]
     assert {key: layer[key] for key in ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim", "num_hidden_layers", "vocab_size")} == {

@@ -36,6 +36,31 @@ def test_tree_equals_plain_greedy_on_tiny_target(tiny_target, plain_outputs, dep
         assert 1.0 <= stats.accept_len <= depth + 1
 
 
+class RecordingTree:
+    """Wraps a drafter and records the depth the engine asks of each tree."""
+
+    def __init__(self, drafter):
+        self.drafter, self.depths = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def propose_tree(self, cache, feature, logits, depth, topk, total, draw=None):
+        self.depths.append(depth)
+        return self.drafter.propose_tree(cache, feature, logits, depth, topk, total, draw)
+
+
+def test_every_tree_is_as_deep_as_asked(tiny_target):
+    """A pruned tree (3 nodes of a depth-4 expansion) is shallower than `depth`; the next forward's
+    tree must still be asked for `depth` levels (only the last few, near max_new_tokens, fewer)."""
+    recorder = RecordingTree(head_for(tiny_target, 2048))
+    depth = 4
+    generate_spec(tiny_target, recorder, chat_ids(tiny_target, PROMPTS[0]), 32, set(), draft="tree",
+                  depth=depth, topk=3, total=3)
+    assert len(recorder.depths) > depth
+    assert recorder.depths[: len(recorder.depths) - (depth - 1)] == [depth] * (len(recorder.depths) - (depth - 1))
+
+
 def test_tree_proposal_shape_and_order(tiny_target):
     drafter = head_for(tiny_target, 2048)
     ids = chat_ids(tiny_target, PROMPTS[0])

@@ -46,11 +46,11 @@ def installed(engine: str) -> None:
         pytest.skip(str(missing))  # CI installs them (.ci/run)
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    """(native artifact, prompt file): an EAGLE-3 head trained on the tiny target's own greedy answers."""
+def trained(root, drafter_name: str, draft_vocab_size: int = 512):
+    """`root` with head/ (a native artifact: a head of the family `drafter_name` trained on the tiny
+    target's own greedy answers to PROMPTS) and prompts.jsonl."""
     torch.manual_seed(0)
-    cfg = compose_train(TARGET)
+    cfg = compose_train([*TARGET, f"drafter={drafter_name}"])
     target = load_target(cfg.target)
     batches = []
     for text in PROMPTS:
@@ -61,7 +61,8 @@ def head(tmp_path_factory):
         loss_mask[:, ids.shape[1]:] = 1
         batches.append({"input_ids": sequence, "attention_mask": torch.ones_like(sequence), "loss_mask": loss_mask})
     stream = [token for batch in batches for token in batch["input_ids"][0].tolist()]
-    vocab = build_draft_vocab([(stream, [1] * len(stream))], target.spec.vocab_size, 512, {"test": "engines"})
+    vocab = build_draft_vocab([(stream, [1] * len(stream))], target.spec.vocab_size, draft_vocab_size,
+                              {"test": "engines"})
     drafter = build_drafter(cfg.drafter, target, vocab)
     captured = [capture(target, vocab, batch, drafter.capture_layers()) for batch in batches]
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
@@ -70,11 +71,15 @@ def head(tmp_path_factory):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    root = tmp_path_factory.mktemp("engines")
     (root / "head").mkdir()
     write_native(saved(drafter.eval(), cfg.target), str(root / "head"))
     (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": text}) + "\n" for text in PROMPTS))
     return root
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    return trained(tmp_path_factory.mktemp("engines"), "eagle3")
 
 
 def bench(root, engine: str, capsys, name: str, engine_head=None) -> dict | str:
@@ -116,6 +121,27 @@ def test_the_engine_accepts_what_our_loop_accepts(head, engine, capsys):
     assert sum(figures["plain_is_ours"]) >= 12, figures["plain_is_ours"]
     assert disagreement(result, engine) == []
     assert figures["accept_len_over_ours"] == pytest.approx(1, abs=0.03)
+
+
+@pytest.mark.parametrize("family", ["eagle", "medusa", "dflash"])
+def test_vllm_accepts_what_our_loop_accepts_for_every_family_it_serves(family, capsys, tmp_path):
+    """EAGLE-1 and Medusa: the same accepted drafts per request. DFlash: a measured gap (vLLM accepts
+    0.97x our loop's drafts, by position 0.414 / 0.115 / 0.042 against 0.437 / 0.135 / 0.052, per
+    request some more, most fewer; neither causal draft blocks nor steps + 1 slots in our loop
+    reproduce its counts), held here so that it cannot widen unseen."""
+    installed("vllm")
+    # vLLM's EAGLE-1 and Medusa draft over the target's whole vocabulary
+    head = trained(tmp_path, family, 49152 if family in ("eagle", "medusa") else 512)
+    result = bench(head, "vllm", capsys, f"right-vllm-{family}")
+    assert isinstance(result, dict), result
+    figures = result["engine"]
+    assert sum(result["accepted_per_prompt"]) > 100  # a head that drafts: a wrong convention would count apart
+    assert figures["identical"] == 1.0
+    assert sum(figures["plain_is_ours"]) >= 12, figures["plain_is_ours"]
+    if family == "dflash":
+        assert figures["accept_len_over_ours"] > 0.95
+    else:
+        assert disagreement(result, "vllm") == []
 
 
 def mistaken(speculators, edit: str, out):

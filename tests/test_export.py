@@ -97,6 +97,18 @@ def test_native_artifact_serves_like_its_checkpoint(checkpoint, tiny_target, tmp
     served = subprocess.run([sys.executable, "-m", "serving.run", f"artifact={tmp_path / 'native'}", "max_new_tokens=6",
                              "dtype=float32", "prompt=Hello"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert served.returncode == 0, served.stderr[-2000:]
+    assert " steps=3:" in served.stdout  # the unroll it was trained for
+
+
+def test_serving_drafts_the_steps_an_artifact_records(checkpoint, tiny_target, tmp_path):
+    run_export(checkpoint=checkpoint, format="native", out=tmp_path / "two", steps=2)
+    assert files(tmp_path / "two")[0]["proposal"] == {"draft": "chain", "steps": 2}
+    assert artifact.load(str(tmp_path / "two"), target=tiny_target)[1].proposal_steps == 2
+    served = subprocess.run([sys.executable, "-m", "serving.run", f"artifact={tmp_path / 'two'}", "max_new_tokens=6",
+                             "dtype=float32", "prompt=Hello", "compare_plain=false"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert served.returncode == 0, served.stderr[-2000:]
+    assert " steps=2:" in served.stdout
 
 
 def test_native_artifact_for_another_target_is_refused(checkpoint, tmp_path):

@@ -210,14 +210,26 @@ def test_artifacts_native_and_vllm(target, answer, tmp_path):
     ids, reply, _ = answer
     drafter = make_drafter(target, vocab_over(target, reply)).eval()
     saved_drafter = native_round_trip(drafter, train_cfg().target, target, ids, tmp_path / "native")
-    config, weights = write_format(saved_drafter, "vllm", tmp_path / "vllm")
+    with pytest.raises(UserError, match="format=vllm: vLLM serves Medusa heads over the target's whole vocabulary"):
+        write_format(saved_drafter, "vllm", tmp_path / "refused")  # vLLM 0.32 fails to load a token_map
+    whole = saved(make_drafter(target, vocab_over(target, reply, target.spec.vocab_size)).eval(), train_cfg().target)
+    config, weights = write_format(whole, "vllm", tmp_path / "vllm")
     assert (config.model_type, config.num_heads, config.num_hidden_layers) == ("medusa", HEADS, 1)
-    assert (config.vocab_size, config.truncated_vocab_size) == (target.spec.vocab_size, 512)
+    assert config.vocab_size == config.truncated_vocab_size == target.spec.vocab_size
     expected = {f"blocks.{k}.layers.0.{p}" for k in range(HEADS) for p in ("weight", "bias")}
-    assert set(weights) == expected | {f"lm_heads.{k}.weight" for k in range(HEADS)} | {"token_map"}
-    assert torch.equal(weights["token_map"], saved_drafter.vocab().draft_ids)  # draft id -> target id
+    assert set(weights) == expected | {f"lm_heads.{k}.weight" for k in range(HEADS)}
     with pytest.raises(UserError, match="has no writer for drafter 'medusa'"):
         formats.writer("sglang", "medusa")
+
+
+def token_map_layout(saved_drafter, spec) -> tuple[dict, dict]:
+    """vLLM's Medusa layout of a head with a draft vocabulary (`truncated_vocab_size` and `token_map`,
+    the target id of each draft token), as heads made elsewhere come: format=vllm does not write it."""
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": spec.hidden_size,
+              "vocab_size": spec.vocab_size, "num_heads": HEADS, "num_hidden_layers": 1, "medusa_fc_bias": True,
+              "truncated_vocab_size": saved_drafter.hparams["draft_vocab_size"]}
+    weights = {name: tensor for name, tensor in saved_drafter.weights.items() if name.startswith(("blocks.", "lm_heads."))}
+    return config, weights | {"token_map": saved_drafter.vocab().draft_ids}
 
 
 def trained_looking(drafter):
@@ -230,16 +242,16 @@ def trained_looking(drafter):
 
 
 def test_vllm_heads_read_back(target, answer, tmp_path):
-    """What format=vllm writes (a draft vocabulary: token_map) reads back as the same drafter, drafting
-    one token per head by default; so do vLLM's variants of it: a token map in another order, an
-    lm_head over the whole vocabulary (vLLM takes the token map's rows), blocks without biases
-    (medusa_fc_bias=false)."""
+    """vLLM's layout with a draft vocabulary (token_map) reads back as the same drafter, drafting one
+    token per head by default; so do its variants: a token map in another order, an lm_head over
+    the whole vocabulary (vLLM takes the token map's rows), blocks without biases (medusa_fc_bias=false)."""
     ids, reply, _ = answer
     drafter = trained_looking(make_drafter(target, vocab_over(target, reply)))
     saved_drafter = saved(drafter, train_cfg().target)
     assert saved_drafter.proposal == {"draft": "chain", "steps": HEADS}
-    config, weights = write_format(saved_drafter, "vllm", tmp_path / "vllm")
-    assert_read_back(tmp_path / "vllm", saved_drafter, drafter, target, ids, train_cfg())
+    config, weights = token_map_layout(saved_drafter, target.spec)
+    assert_read_back(edited_head(tmp_path, config, weights, lambda *_: None), saved_drafter, drafter, target, ids,
+                     train_cfg())
 
     def variants(config, weights):
         order = torch.randperm(len(weights["token_map"]), generator=torch.Generator().manual_seed(0))
@@ -282,8 +294,8 @@ def test_bad_medusa_heads_are_one_line(target, answer, tmp_path):
     """Another target's head, a config naming more heads than the files hold, unknown tensors, wrong
     shapes, a bad token map, no weights: one UserError line each."""
     _, reply, _ = answer
-    config, weights = write_format(saved(make_drafter(target, vocab_over(target, reply)), train_cfg().target),
-                                   "vllm", tmp_path / "vllm")
+    config, weights = token_map_layout(saved(make_drafter(target, vocab_over(target, reply)), train_cfg().target),
+                                       target.spec)
     width = target.spec.hidden_size
     for edit, message in [
         (lambda c, w: c.update(hidden_size=32), f"a head for hidden_size=32, the target {target.spec.name} has"),

@@ -176,3 +176,21 @@ def test_smollm2_chain_is_lossless_in_float32():
         spec, stats = generate_spec(target, drafter, ids, 24, eos, steps=5)
         assert spec == plain, text
         assert 1.0 <= stats.accept_len <= 6  # at most 5 drafts and the target's own token per forward
+
+
+@pytest.mark.parametrize("engine,drafter,draft_vocab,refused", [
+    ("vllm", "eagle3", 512, None), ("vllm", "medusa", 49152, None), ("vllm", "dflash", 512, None),
+    ("vllm", "medusa", 512, "engine=vllm: vLLM serves Medusa heads over the target's whole vocabulary \\(49152"),
+    ("vllm", "eagle", 512, "engine=vllm: vLLM serves EAGLE-1 heads over the target's whole vocabulary \\(49152"),
+    ("vllm", "dspark", 512, "serves eagle3, eagle, medusa, dflash heads from this project, not dspark"),
+    ("llamacpp", "eagle3", 512, None), ("llamacpp", "medusa", 49152, "serves eagle3 heads from this project, not medusa"),
+])
+def test_an_engine_refuses_a_head_it_cannot_serve_up_front(engine, drafter, draft_vocab, refused):
+    from serving.engines import check_head
+
+    head = artifact.SavedDrafter(drafter, {"draft_vocab_size": draft_vocab}, {"vocab_size": 49152}, {}, {}, {})
+    if refused is None:
+        check_head(engine, head)
+    else:
+        with pytest.raises(UserError, match=refused):
+            check_head(engine, head)

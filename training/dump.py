@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from drafters.config.errors import command
+from drafters.config.command import command
 from training import settings
 from training.trainer import dump
 

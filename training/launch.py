@@ -17,7 +17,8 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.config.errors import BUG, USER_MISTAKE, UserError, command
+from drafters.config.command import command
+from drafters.config.errors import BUG, USER_MISTAKE, UserError
 from drafters.storage.writes import check_not_owned
 from training import distributed, settings
 

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from drafters.config.errors import command
+from drafters.config.command import command
 from drafters.storage.writes import owned
 
 log = logging.getLogger("training")

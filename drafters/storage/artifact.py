@@ -159,6 +159,7 @@ class SavedDrafter:
         self.check_weights(where)
         drafter = drafter_class(self.drafter)(OmegaConf.create(self.hparams), self.spec, self.vocab())
         drafter.load_state_dict(self.weights)
+        drafter.proposal_steps = self.proposal.get("steps")
         return drafter
 
 

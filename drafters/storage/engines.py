@@ -1,6 +1,6 @@
-"""Where scripts/install_engines.sh puts the engines a head is served in, and llama.cpp's converter:
-what export (format=gguf) and serving.bench (engine=llamacpp|vllm) both use. Nothing here imports
-an engine: each runs in processes of its own."""
+"""Where scripts/install_engines.sh puts the engines a head is served in, llama.cpp's converter, and
+what vLLM cannot load: what export (format=gguf|vllm) and serving.bench (engine=llamacpp|vllm) both
+use. Nothing here imports an engine: each runs in processes of its own."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ from drafters.target.model import cache_root
 
 LLAMA_CPP = "11434.0.0"  # the versions scripts/install_engines.sh installs
 VLLM = "0.32.0"
+
+
+def check_vllm_vocabulary(where: str, family: str, drafted: int, vocab: int, instead: str = "") -> None:
+    """vLLM's EAGLE-1 and Medusa draft over the target's whole vocabulary: its EAGLE-1 has no draft
+    vocabulary, and its Medusa loader fails an assertion on one (`token_map`, vLLM 0.32)."""
+    if family in ("eagle", "medusa") and drafted < vocab:
+        name = {"eagle": "EAGLE-1", "medusa": "Medusa"}[family]
+        raise UserError(f"{where}: vLLM serves {name} heads over the target's whole vocabulary ({vocab} tokens) only, this "
+                        f"head drafts over {drafted}: train it with drafter.draft_vocab_size={vocab}{instead}")
 
 
 def engines_root() -> str:

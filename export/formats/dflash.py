@@ -57,7 +57,9 @@ def write(saved: SavedDrafter, directory: str) -> None:
         "aux_hidden_state_layer_ids": hparams["aux_layers"],
         "mask_token_id": hparams["mask_token_id"],
         "sample_from_anchor": False,
-        "sliding_window_non_causal": False,
+        # our blocks attend both ways; speculators does so in full-attention layers whatever this says,
+        # vLLM 0.32 only where it is true (dflash_config.causal = not it, for every layer)
+        "sliding_window_non_causal": True,
         **({"markov_rank": hparams["markov_rank"], **DSPARK_HEADS} if saved.drafter == "dspark" else {}),
         "dflash_config": {"mask_token_id": hparams["mask_token_id"],
                           "target_layer_ids": translate_layer_ids(hparams["aux_layers"], "input", "output")},

@@ -26,6 +26,7 @@ import torch
 
 from drafters.config.errors import UserError
 from drafters.storage.artifact import SavedDrafter, write_files
+from drafters.storage.engines import check_vllm_vocabulary
 from export.formats import Format, ImportFor, built_on_target, check_sizes, draft_vocabulary, register
 from export.formats.eagle3 import check_layer_config, llama_fields, read_weight_files
 from export.formats.speculators import OURS, THEIRS, renamed
@@ -47,10 +48,8 @@ def full_vocabulary(saved: SavedDrafter) -> bool:
 
 
 def write_vllm(saved: SavedDrafter, directory: str) -> None:
-    if not full_vocabulary(saved):
-        raise UserError(f"format=vllm: vLLM's EAGLE-1 drafts over the target's whole vocabulary "
-                        f"({saved.verifier['vocab_size']} tokens), this head over {saved.hparams['draft_vocab_size']}: "
-                        f"train it with drafter.draft_vocab_size={saved.verifier['vocab_size']}, or use format=sglang")
+    check_vllm_vocabulary("format=vllm", "eagle", saved.hparams["draft_vocab_size"], saved.verifier["vocab_size"],
+                          ", or use format=sglang")
     if "fc.bias" in saved.weights:
         raise UserError("format=vllm: vLLM's EAGLE-1 fc has no bias and this head's has one "
                         "(drafter.fc_bias, as the EAGLE repo and SGLang have it): use format=sglang")

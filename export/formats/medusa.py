@@ -3,9 +3,11 @@
 
 vLLM's `MedusaModel` (model_executor/models/medusa.py, configs/medusa.py) has our layout and names:
 `blocks.{k}.layers.{j}` residual blocks (`medusa_fc_bias: true` for their biases) and
-`lm_heads.{k}`, fed the target's final normed hidden state. A draft vocabulary is its
-`truncated_vocab_size` + `token_map` (the target id of each draft token). vLLM drafts a chain of
-each head's top token; SGLang has no Medusa.
+`lm_heads.{k}`, fed the target's final normed hidden state. Its layout of a draft vocabulary
+(`truncated_vocab_size` + `token_map`, the target id of each draft token) reads back, but vLLM 0.32
+builds every lm_head over the whole vocabulary and its loader fails an assertion on one: so only a
+head over the whole vocabulary is written. vLLM drafts a chain of each head's top token; SGLang has
+no Medusa.
 
 Both vLLM's layout and the Medusa repo's (medusa/model/medusa_model.py: config `medusa_num_heads`,
 `medusa_num_layers`; `medusa_lm_head.safetensors` or `.pt` holding `medusa_head`, per head a
@@ -19,12 +21,14 @@ import re
 import torch
 
 from drafters.storage.artifact import SavedDrafter, write_files
+from drafters.storage.engines import check_vllm_vocabulary
 from export.formats import Format, ImportFor, built_on_target, check_sizes, draft_vocabulary, register
 from export.formats.eagle3 import read_weight_files
 
 
 def write_vllm(saved: SavedDrafter, directory: str) -> None:
     hparams, verifier = saved.hparams, saved.verifier
+    check_vllm_vocabulary("format=vllm", "medusa", hparams["draft_vocab_size"], verifier["vocab_size"])
     config = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
@@ -33,13 +37,11 @@ def write_vllm(saved: SavedDrafter, directory: str) -> None:
         "num_heads": hparams["num_heads"],
         "num_hidden_layers": hparams["num_layers"],
         "medusa_fc_bias": True,
-        "truncated_vocab_size": hparams["draft_vocab_size"],
+        "truncated_vocab_size": verifier["vocab_size"],
         "torch_dtype": str(saved.weights["lm_heads.0.weight"].dtype).removeprefix("torch."),
     }
     # the copy of the target's final norm stays behind: vLLM hands the heads the normed state
     weights = {name: tensor for name, tensor in saved.weights.items() if name.startswith(("blocks.", "lm_heads."))}
-    if hparams["draft_vocab_size"] < verifier["vocab_size"]:
-        weights["token_map"] = saved.vocab().draft_ids
     write_files(directory, config, weights)
 
 
