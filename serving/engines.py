@@ -155,10 +155,7 @@ class LlamaCpp:
 
     def __init__(self, checkpoint: str, work: str, steps: int, float32: bool, head: str | None = None):
         binary = llama_server()
-        if head and not os.path.isfile(head):
-            raise UserError(f"engine_head={head}: llama.cpp serves a head .gguf file (export format=gguf writes one)")
-        saved = artifact.read(checkpoint)
-        check_head(self.name, saved)
+        saved = artifact.read(checkpoint)  # the head and engine_head were checked up front (check_engine)
         hf = os.path.join(work, "target-hf")
         export_head(checkpoint, "gguf", os.path.join(work, "head"),
                     {"verifier_out": hf, "gguf_type": "f32" if float32 else "q8_0"})
@@ -206,11 +203,7 @@ class Vllm:
 
     def __init__(self, checkpoint: str, work: str, steps: int, float32: bool, head: str | None = None):
         self.python = vllm_python()
-        if head and not os.path.isfile(os.path.join(head, "config.json")):
-            raise UserError(f"engine_head={head}: vLLM serves a head directory with a config.json "
-                            "(export format=speculators writes one)")
-        saved = artifact.read(checkpoint)
-        check_head(self.name, saved)
+        saved = artifact.read(checkpoint)  # the head and engine_head were checked up front (check_engine)
         fmt, method = VLLM_METHODS[saved.drafter]
         hf, exported = os.path.join(work, "target-hf"), os.path.join(work, "head")
         export_head(checkpoint, fmt, exported, {"verifier_out": hf})
