@@ -57,7 +57,7 @@ class Eagle(StepDrafter):
 
     @classmethod
     def default_steps(cls, hparams):
-        return 3  # no trained length: deeper drafts were almost never accepted (docs/training.md)
+        return 3  # no trained length: deeper drafts were almost never accepted (docs/results.md)
 
     @torch.no_grad()
     def init_from_target(self, target):

@@ -44,7 +44,7 @@ def distill(logits: torch.Tensor, teacher: torch.Tensor, teacher_token: torch.Te
 def shifted_teacher(captured: Captured, predicts: torch.Tensor):
     """`teacher(shift)`: the target's distribution [N, V_draft] at the positions `predicts[:, shift:]`
     selects, the rows a draft `shift` tokens ahead learns from. The softmax runs once, on the trained
-    positions only (over the whole padded batch: 3x the time, docs/training.md)."""
+    positions only (over the whole padded batch it costs several times as much)."""
     probabilities = torch.softmax(captured.teacher_logits[predicts].float(), -1)
     slot = predicts.flatten().cumsum(0).view_as(predicts) - 1  # each trained position's row in `probabilities`
     return lambda shift: probabilities[slot[:, shift:][predicts[:, shift:]]]

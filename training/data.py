@@ -278,8 +278,8 @@ def _closing_tokens(tokenizer) -> tuple[list[int], list[int]]:
 
 def _render_regenerated(tokenizer, conversation: Conversation, max_length: int) -> dict:
     """A regenerated conversation as the target produced it: the prompt ids it was given, the answer
-    ids it emitted (not a re-tokenization of their text, which differs for 16% of ShareGPT answers,
-    those cut at max_new_tokens: docs/training.md), then the template's closing tokens."""
+    ids it emitted (not a re-tokenization of their text, which differs for answers cut at
+    max_new_tokens), then the template's closing tokens."""
     prompt = _chat_text(tokenizer, conversation[:-1], add_generation_prompt=True)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     answer = conversation[-1]["token_ids"]

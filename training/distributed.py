@@ -108,7 +108,7 @@ def isolate_compile_cache(device: str) -> None:
     """A directory of inductor's caches per CPU vector ISA, unless TORCHINDUCTOR_CACHE_DIR is set: its
     FX graph cache keys a CPU graph without the ISA it was built for, and a graph built under another one
     (another CPU kind sharing /tmp, or ATEN_CPU_CAPABILITY=avx2) aborts the process when reused
-    (`free(): invalid pointer` at the first compiled step; torch 2.13, docs/training.md)."""
+    (`free(): invalid pointer` at the first compiled step; torch 2.13)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

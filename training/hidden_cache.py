@@ -240,8 +240,8 @@ class RegenCapture:
     """The hidden states regeneration computes anyway, kept for this cache: while the target answers
     a batch (`data.regenerate` with a cached run), the states the dump would compute over each
     training sequence are saved beside the answers, one file per batch, and the dump reads them
-    instead of running the target over the data again (the long preset's dump took 17 of its 115
-    minutes: docs/training.md). A sequence is found by its token ids; one whose teacher positions
+    instead of running the target over the data again (a second pass of the target over the whole
+    data otherwise: docs/results.md). A sequence is found by its token ids; one whose teacher positions
     are not all stored (e.g. `data.loss_on=all`), or whose batch was answered without a capture,
     is computed by the target as before."""
 

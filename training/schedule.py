@@ -63,7 +63,7 @@ def optimizer_name(config: DictConfig | dict, native_bf16: bool = True) -> str:
     so AdamW), with `auto` settled: Muon where every process holds whole weight matrices (one process,
     DDP) and bf16 is native; AdamW where ZeRO/FSDP flatten or shard them (distributed.check_mode refuses
     an explicit muon there) or where bf16 is emulated (AVX2-only CPUs: Muon's float32 orthogonalization
-    takes a third of a step there, and AdamW's extra steps led at equal wall clock, docs/training.md).
+    is a large share of a step there, and AdamW's extra steps led at equal wall clock, docs/results.md).
     The trainer writes the settled name into the run's config, so a checkpoint records what trained
     it; one saved with `auto` (before 2026-12-06) trained with Muon wherever the weights were whole."""
     chosen = config.get("trainer", {}).get("optimizer", "adamw")
@@ -89,8 +89,8 @@ def newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float
 class Muon(torch.optim.Muon):
     """torch's Muon, whose Newton-Schulz iteration runs in bf16 whatever the hardware; with
     `float32_orthogonalization` (where bf16 is emulated: AVX2-only CPUs) it runs in float32, as the
-    one function torch's step calls for it. Measured on the long preset's EAGLE-3 head under an AVX2
-    cap, float32: an optimizer step 15.5 s in bf16, 0.42 s in float32 (docs/training.md)."""
+    one function torch's step calls for it (an emulated bf16 iteration costs many steps' time:
+    docs/results.md)."""
 
     def __init__(self, params, *, float32_orthogonalization: bool, **options):
         super().__init__(params, **options)

@@ -150,7 +150,7 @@ def _log_to(queue) -> None:
 def dump_in_child(cfg: DictConfig) -> None:
     """`dump` in a process of its own, which ends before training starts. Regeneration and the dump
     leave glibc's heap so fragmented that the training loop after them in the same process slowed to
-    about a tenth of a fresh process's speed (47% of its time in `malloc`: docs/training.md); a process
+    a fraction of a fresh process's speed (most of its time in `malloc`); a process
     that ends gives all of it back. Its log goes through this process's handlers; a UserError in it
     is raised here."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this heap, no CUDA state
@@ -186,8 +186,8 @@ def make_teacher(cfg: DictConfig, target, vocab, layers: list[int], train_set, e
     raise UserError(f"data.hidden_states: unknown value '{cfg.data.hidden_states}' (online | offline | cached)")
 
 
-# length grouping sorts this many micro-batches' worth of sequences at a time (the self-distilled
-# presets: random batches of 4 compute 1.38x the real tokens, grouped ones 1.014x: docs/training.md)
+# length grouping sorts this many micro-batches' worth of sequences at a time: enough for batches of
+# near-equal length on self-distilled data, few enough that the order stays random (docs/training.md)
 GROUP_BATCHES = 64
 
 
@@ -304,8 +304,8 @@ def settle_hardware_choices(cfg: DictConfig, run_dir: str) -> dict:
     return {"target": target.name, "autocast": autocast.name, "hardware": target.hardware.to_dict()}
 
 
-# Where bf16 is emulated a step costs more, and more conversations beat more steps up to a point: in the two-hour
-# preset 45 min of regeneration measured 1.95 held out against 30 min's 1.78, and 60 a tie (docs/training.md)
+# Where bf16 is emulated a step costs more, so more of the two hours goes to regeneration: more conversations beat
+# more steps up to a point (measured: docs/results.md)
 REGEN_MINUTES_AUTO = {True: 30, False: 45}  # native bf16 -> data.regen.max_minutes
 
 
