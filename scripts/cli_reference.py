@@ -91,10 +91,40 @@ def allowed(schema: type, key: str) -> str:
     return text + (", or null" if nullable else "")
 
 
-def table(keys, schema: type | None, prefix: str = "") -> list[str]:
+def config_files() -> list[tuple[str, str, str]]:
+    """(path, the command config it belongs to, the prefix its keys take) for every conf/ file:
+    a command's and a global preset's keys are full paths, a group option's are under its group
+    (the groups are training's)."""
+    files = [(os.path.join(CONF, config), config, "") for _, config, _ in COMMANDS]
+    groups = sorted(name for name in os.listdir(CONF) if os.path.isdir(os.path.join(CONF, name)) and name != "__pycache__")
+    for group in groups:
+        for name in sorted(filter(lambda name: name.endswith(".yaml"), os.listdir(os.path.join(CONF, group)))):
+            path = os.path.join(CONF, group, name)
+            everywhere = yaml_keys(path)[2].startswith("@package _global_")
+            files.append((path, "train.yaml", "" if everywhere else f"{group}."))
+    return files
+
+
+def descriptions() -> dict[tuple[str, str], str]:
+    """Every key's comment wherever one is written, by (command config, key), so that an option
+    overriding a key without repeating its comment (trainer=full's `trainer.max_steps`) is described
+    by the one it overrides."""
+    found = {}
+    for path, config, prefix in config_files():
+        for key, _, comment in yaml_keys(path)[0]:
+            if comment:
+                found.setdefault((config, prefix + key), comment)
+    return found
+
+
+DESCRIPTIONS = descriptions()
+
+
+def table(keys, schema: type | None, config: str, prefix: str = "") -> list[str]:
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
     rows = ["| key | default | allowed | what |", "|---|---|---|---|"]
     for key, value, comment in keys:
+        comment = comment or DESCRIPTIONS.get((config, prefix + key), "")
         if value or comment or not any(other.startswith(f"{key}.") for other, _, _ in keys):
             rule = allowed(schema, key) if schema else ""
             rows.append(f"| `{prefix}{key}` | `{cell(value)}` | {cell(rule)} | {cell(comment)} |" if value
@@ -122,7 +152,7 @@ def render() -> str:
             links = " \\| ".join(f"[`{name}`](#{group}{name})" + (" (default)" if name == default else "")
                                  for name in options)
             out.append(f"- `{group}=`: {links}")
-        out += [""] * bool(defaults) + table(keys, schema) + [""]
+        out += [""] * bool(defaults) + table(keys, schema, config) + [""]
     groups = sorted({group for _, config, _ in COMMANDS for group, _ in yaml_keys(os.path.join(CONF, config))[1] if group})
     for group in groups:
         for name in sorted(os.listdir(os.path.join(CONF, group))):
@@ -134,7 +164,7 @@ def render() -> str:
             header = header.removeprefix("@package _global_").strip()
             out += [f"### {group}={option}", "", f"`conf/{group}/{name}`{base}" + (f": {header}" if header else ""), ""]
             schema = Train if everywhere else group_schema(Train, group, option)
-            out += table(keys, schema, "" if everywhere else f"{group}.") + [""]
+            out += table(keys, schema, "train.yaml", "" if everywhere else f"{group}.") + [""]
     return "\n".join(out)
 
 

@@ -27,6 +27,14 @@ def test_cli_reference_is_what_conf_generates():
     assert written == cli_reference().render(), "docs/cli.md is stale: run python scripts/cli_reference.py"
 
 
+def test_every_setting_is_described():
+    """Each key of every command and config group has a description in docs/cli.md (a comment in
+    conf/, where the key is set or where the key it overrides is)."""
+    cells = [re.split(r"(?<!\\)\|", line)[1:-1] for line in cli_reference().render().splitlines() if line.startswith("| `")]
+    assert cells and all(len(row) == 4 for row in cells)  # key, default, allowed, what
+    assert [row[0].strip() for row in cells if not row[3].strip()] == []
+
+
 def anchors(path: str) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
     with open(path) as handle:
